@@ -1,0 +1,34 @@
+"""events_ledger: write down everything a run changes before it happens, give it all back."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+try:
+    __version__ = version("django-events-ledger")
+except PackageNotFoundError:  # running from a checkout
+    __version__ = "0.1.0.dev0"
+
+_EXPORTS = {
+    "Action": "registry",
+    "Lease": "registry",
+    "register_action": "registry",
+    "register_lease": "registry",
+    "registry": "registry",
+    "AlreadyRegistered": "registry",
+    "NotRegistered": "registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so importing the package never imports models before the app registry.
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'events_ledger' has no attribute {name!r}")
+    from importlib import import_module
+
+    return getattr(import_module(f"events_ledger.{module}"), name)
+
+
+__all__ = sorted(_EXPORTS)

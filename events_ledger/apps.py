@@ -1,0 +1,20 @@
+"""App configuration: pins the key type, registers checks, finds host apps' actions."""
+
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class EventsLedgerConfig(AppConfig):
+    name = "events_ledger"
+    verbose_name = "Events ledger"
+    # Pinned, so a host's DEFAULT_AUTO_FIELD never makes a migration in site-packages.
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from . import checks  # noqa: F401  (registers the system checks)
+        from .registry import autodiscover
+
+        # Here, not in admin.py: a cron process that never imports the admin must see
+        # the same actions as the web process.
+        autodiscover()

@@ -1,0 +1,104 @@
+"""Database facts the ledger depends on: one UTC clock, byte-wise keys, error codes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from django.db import DatabaseError, IntegrityError, connections, models, transaction
+
+T = TypeVar("T")
+
+
+class UtcNow(models.Func):
+    """The database server's clock, in UTC, whatever the session time zone.
+
+    One clock for every stamp and every TTL comparison: several hosts may run the
+    sweeper, and MySQL's ``NOW()`` follows the session zone, which Django never sets
+    while it stores UTC. Mixing the two makes a fresh claim look stale (or a stale
+    one fresh) by the zone's offset.
+    """
+
+    template = "CURRENT_TIMESTAMP"
+    output_field = models.DateTimeField()
+
+    def as_mysql(self, compiler: Any, connection: Any, **extra: Any) -> tuple[str, list[Any]]:
+        return "UTC_TIMESTAMP(6)", []
+
+    def as_postgresql(self, compiler: Any, connection: Any, **extra: Any) -> tuple[str, list[Any]]:
+        # timestamptz: an instant, independent of the session's TimeZone.
+        return "CLOCK_TIMESTAMP()", []
+
+    def as_sqlite(self, compiler: Any, connection: Any, **extra: Any) -> tuple[str, list[Any]]:
+        # Django keeps SQLite datetimes as naive UTC text; this sorts and compares with it.
+        return "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now')", []
+
+
+class KeyCharField(models.CharField):
+    """A ``CharField`` that compares byte for byte on every backend.
+
+    MySQL/MariaDB's usual default collation (``utf8mb4_unicode_ci``) makes ``Dragon``,
+    ``dragon`` and ``dragon `` equal, so two different objects would collide on the
+    ledger's unique key and the second would silently never be recorded (rule 1). A
+    ``_bin`` collation alone still pads trailing spaces, hence the NO PAD ones.
+    SQLite and PostgreSQL already compare deterministically. The collation is chosen
+    per connection, not stored in the migration, so the schema is the same for all.
+    """
+
+    def db_parameters(self, connection: Any) -> dict[str, Any]:
+        params = super().db_parameters(connection)
+        if connection.vendor == "mysql":
+            params["collation"] = (
+                "utf8mb4_nopad_bin" if connection.mysql_is_mariadb else "utf8mb4_0900_bin"
+            )
+        return params
+
+
+def _driver_error(exc: BaseException) -> BaseException:
+    return exc.__cause__ or exc
+
+
+def is_unique_violation(exc: BaseException) -> bool:
+    err = _driver_error(exc)
+    code = getattr(err, "args", (None,))[0] if getattr(err, "args", None) else None
+    if code == 1062:  # MySQL ER_DUP_ENTRY
+        return True
+    if getattr(err, "sqlstate", None) == "23505":  # PostgreSQL unique_violation
+        return True
+    return "UNIQUE constraint failed" in str(err)
+
+
+def is_deadlock(exc: BaseException) -> bool:
+    err = _driver_error(exc)
+    code = err.args[0] if getattr(err, "args", None) else None
+    if code in (1213, 1205):  # MySQL deadlock, lock wait timeout
+        return True
+    return getattr(err, "sqlstate", None) in ("40P01", "40001")
+
+
+def is_connection_lost(exc: BaseException) -> bool:
+    err = _driver_error(exc)
+    code = err.args[0] if getattr(err, "args", None) else None
+    return code in (2006, 2013)
+
+
+def retrying_deadlocks(fn: Callable[[], T], *, using: str = "default", tries: int = 5) -> T:
+    """Run ``fn`` in its own transaction, retrying it when the database picks it as a
+    deadlock victim.
+
+    A MariaDB deadlock rolls back the caller's whole transaction, which no savepoint
+    survives; so inside an outer transaction the error is re-raised for the owner of
+    that transaction to handle, and only a call that owns its transaction retries.
+    """
+    conn = connections[using]
+    outer = conn.in_atomic_block
+    for attempt in range(tries):
+        try:
+            with transaction.atomic(using=using):
+                return fn()
+        except (DatabaseError, IntegrityError) as exc:
+            if outer or not is_deadlock(exc) or attempt == tries - 1:
+                raise
+            time.sleep(0.005 * (attempt + 1))
+    raise AssertionError("unreachable")

@@ -1,0 +1,208 @@
+"""The four tables of the ledger: runs, their steps, what they changed, and their log."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import models
+from django.db.models import Case, Q, Value, When
+from django.utils import timezone
+
+from .db import KeyCharField
+from .states import HELD, LIVE, RUN_TERMINAL, STEP_KIND, UNRESOLVED
+from .querysets import (  # noqa: I001
+    EventRunLogManager,
+    EventRunQuerySet,
+    EventRunResourceQuerySet,
+    EventRunStepQuerySet,
+)
+
+
+
+def mint_idempotency_key() -> str:
+    return uuid.uuid4().hex
+
+
+class EventRun(models.Model):
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        RUNNING = "running"
+        COMPLETED = "completed"
+        CANCELLED = "cancelled"
+        FAILED = "failed"
+        MISSED = "missed"
+
+    class CleanupStatus(models.TextChoices):
+        NOT_REQUIRED = "not_required", "not required"
+        PENDING = "pending"
+        COMPLETE = "complete"
+        INCOMPLETE = "incomplete"
+
+    TERMINAL = RUN_TERMINAL
+
+    name = models.CharField(max_length=200)
+    scope = models.CharField(max_length=200, blank=True, default="")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    cleanup_status = models.CharField(
+        max_length=16, choices=CleanupStatus.choices, default=CleanupStatus.NOT_REQUIRED
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects = EventRunQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = "event run"
+        indexes = [
+            models.Index(fields=["cleanup_status", "status"], name="evrun_cleanup_idx"),
+            models.Index(fields=["status"], name="evrun_status_idx"),
+        ]
+        permissions = [
+            ("retry_cleanup", "Can retry the cleanup of a run (resets revert attempts)"),
+            ("reconcile_resources", "Can reconcile a module's resources with its world"),
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.pk} {self.name}"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in self.TERMINAL
+
+
+class EventRunStep(models.Model):
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        RUNNING = "running"
+        DONE = "done"
+        FAILED = "failed"
+        REFUSED = "refused"
+
+    run = models.ForeignKey(EventRun, on_delete=models.CASCADE, related_name="steps")
+    phase = models.CharField(max_length=64, default="main")
+    seq = models.PositiveIntegerField(default=0)
+    action_id = models.CharField(max_length=128)
+    params = models.JSONField(default=dict, blank=True, encoder=DjangoJSONEncoder)
+    # Minted once when the step is created and never changed across its retries: it
+    # is how a module's half-done work is found again when its answer was lost.
+    idempotency_key = models.CharField(
+        max_length=64, unique=True, default=mint_idempotency_key, editable=False
+    )
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(null=True, blank=True)
+    claim_token = models.CharField(max_length=32, null=True, blank=True, editable=False)
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    objects = EventRunStepQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = "event run step"
+        ordering = ["run_id", "phase", "seq", "id"]
+        indexes = [models.Index(fields=["run", "status"], name="evstep_run_status_idx")]
+
+    def __str__(self) -> str:
+        return f"step {self.pk} {self.action_id}"
+
+
+class EventRunResource(models.Model):
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        CONFIRMED = "confirmed"
+        REVERTING = "reverting"
+        REVERTED = "reverted"
+        ORPHANED = "orphaned"
+        DRIFTED = "drifted"
+
+    # PROTECT: a run cannot be deleted while the ledger remembers anything of it;
+    # deleting it would be losing track of a resource by other means.
+    run = models.ForeignKey(EventRun, on_delete=models.PROTECT, related_name="resources")
+    # The row outlives its step: it still names the action through its payload.
+    step = models.ForeignKey(
+        EventRunStep,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="resources",
+        db_constraint=True,
+    )
+    owner_module = KeyCharField(max_length=64)
+    kind = KeyCharField(max_length=64)
+    ref = KeyCharField(max_length=190)
+    payload = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
+    lease_until = models.DateTimeField(null=True, blank=True)
+    member_key = models.CharField(max_length=190, null=True, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    revert_attempts = models.PositiveIntegerField(default=0)
+    last_error = models.CharField(max_length=500, null=True, blank=True)
+    # A verdict is written only by the holder of the current claim (fenced verdicts).
+    claim_token = models.CharField(max_length=32, null=True, blank=True, editable=False)
+    # Claims taken without a verdict since the last one; not revert_attempts.
+    claim_count = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+    # R0: 1 while held, NULL once released, so the unique key below admits one held
+    # row per target and any number of released ones. Stored: PostgreSQL has no other.
+    live_marker = models.GeneratedField(
+        expression=Case(
+            When(Q(status__in=HELD), then=Value(1)),
+            default=None,
+            output_field=models.SmallIntegerField(null=True),
+        ),
+        output_field=models.SmallIntegerField(null=True),
+        db_persist=True,
+    )
+
+    objects = EventRunResourceQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = "event run resource"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["owner_module", "kind", "ref", "live_marker"], name="uq_evres_target"
+            )
+        ]
+        indexes = [
+            # for_run, unresolved_for_run, the counts (R4); the run list's annotation.
+            models.Index(fields=["run", "status"], name="evres_run_status_idx"),
+            # live_for_module, modules_with_live_rows (R9), the cleanup scan (R11):
+            # released rows are outside every range these read.
+            models.Index(fields=["status", "owner_module"], name="evres_status_owner_idx"),
+            # A group claim reads back what it won by its token.
+            models.Index(fields=["claim_token"], name="evres_claim_token_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.ref}"
+
+    @property
+    def is_placeholder(self) -> bool:
+        return self.kind == STEP_KIND
+
+
+class EventRunLog(models.Model):
+    run = models.ForeignKey(EventRun, on_delete=models.CASCADE, related_name="log")
+    kind = models.CharField(max_length=64)
+    detail = models.JSONField(default=dict, blank=True, encoder=DjangoJSONEncoder)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects = EventRunLogManager()
+
+    class Meta:
+        verbose_name = "event run log entry"
+        verbose_name_plural = "event run log"
+        indexes = [models.Index(fields=["run", "created_at"], name="evlog_run_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.kind} (run {self.run_id})"
+
+
+__all__ = [
+    "HELD", "LIVE", "STEP_KIND", "UNRESOLVED",
+    "EventRun", "EventRunLog", "EventRunResource", "EventRunStep", "mint_idempotency_key",
+]

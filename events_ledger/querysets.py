@@ -1,0 +1,540 @@
+"""The ledger's SQL: every change of state is one conditional UPDATE or one INSERT.
+
+Nothing here reads a row and then writes it: the database decides who wins, and each
+method answers whether its caller did. Querysets import nothing of the app but its
+vocabulary of states and database helpers.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db import IntegrityError, models, transaction
+from django.db.models import Case, Count, Exists, F, OuterRef, Q, Value, When
+
+from .conf import ledger_settings
+from .db import UtcNow, is_unique_violation, retrying_deadlocks
+from .states import HELD, LIVE, RUN_TERMINAL, STEP_KIND, UNRESOLVED
+
+if TYPE_CHECKING:
+    from .models import EventRun, EventRunLog, EventRunResource
+
+ERROR_LIMIT = 500
+DEFAULT_REVERT_ERROR = "the revert did not succeed and gave no reason"
+RELEASED_UNCLEAN = ("orphaned", "drifted")
+_UNSET: Any = object()
+
+
+def _pk(obj: Any) -> Any:
+    return getattr(obj, "pk", obj)
+
+
+def _pks(objs: Any) -> list[Any]:
+    if isinstance(objs, (str, bytes)) or not isinstance(objs, Iterable):
+        objs = [objs]
+    return sorted({_pk(o) for o in objs})
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def cut_error(error: object, default: str = DEFAULT_REVERT_ERROR) -> str:
+    text = "" if error is None else str(error)
+    return (text or default)[:ERROR_LIMIT]
+
+
+# ── runs ──────────────────────────────────────────────────────────────────────
+
+
+class EventRunQuerySet(models.QuerySet):
+    def terminal(self) -> EventRunQuerySet:
+        return self.filter(status__in=RUN_TERMINAL)
+
+    def transition(self, run: Any, to: str, from_: Iterable[str] | str) -> bool:
+        """Move a run's status ``from_ → to``. Exactly one concurrent caller wins."""
+        sources = [from_] if isinstance(from_, str) else list(from_)
+        values: dict[str, Any] = {"status": to, "updated_at": UtcNow()}
+        if to == "running":
+            values["started_at"] = UtcNow()
+        if to in RUN_TERMINAL:
+            values["finished_at"] = UtcNow()
+        # `status` changes in every matched row, so matched == changed even on MySQL.
+        qs = self.filter(pk=_pk(run), status__in=sources).exclude(status=to)
+        return qs.update(**values) == 1
+
+    def set_cleanup_status(
+        self, run: Any, status: str, only_from: Iterable[str] | None = None
+    ) -> bool:
+        """Set ``cleanup_status``, from the given statuses only when named."""
+        qs = self.filter(pk=_pk(run)).exclude(cleanup_status=status)
+        if only_from is not None:
+            qs = qs.filter(cleanup_status__in=list(only_from))
+        return qs.update(cleanup_status=status, updated_at=UtcNow()) == 1
+
+    def _derived_cleanup_status(self, max_attempts: int, max_claims: int) -> Case:
+        from .models import EventRunResource
+
+        rows = EventRunResource.objects.filter(run=OuterRef("pk"))
+        return Case(
+            When(~Exists(rows.unresolved()), then=Value("complete")),
+            When(Exists(rows.retryable(max_attempts, max_claims)), then=Value("pending")),
+            default=Value("incomplete"),
+        )
+
+    def settle_cleanup(self, run: Any, max_attempts: int, max_claims: int) -> str:
+        """Derive ``cleanup_status`` from the run's rows in the one statement that writes
+        it: none unresolved → complete; some still retryable → pending; else incomplete.
+
+        Two sweepers finishing one run cannot leave a stale summary: whichever writes
+        last writes what the rows say at that moment, not what it saw earlier.
+        """
+        self.filter(pk=_pk(run)).update(
+            cleanup_status=self._derived_cleanup_status(max_attempts, max_claims),
+            updated_at=UtcNow(),
+        )
+        return self.filter(pk=_pk(run)).values_list("cleanup_status", flat=True).get()
+
+    def repair_cleanup_summaries(self, max_attempts: int, max_claims: int) -> int:
+        """Re-derive the summary of terminal runs whose summary disagrees with their rows
+        (a sweeper died between its last verdict and its summary write, or two raced)."""
+        derived = self._derived_cleanup_status(max_attempts, max_claims)
+        qs = (
+            self.terminal()
+            .filter(cleanup_status__in=("pending", "incomplete"))
+            .alias(derived=derived)
+            .exclude(cleanup_status=F("derived"))
+        )
+        return self.filter(pk__in=models.Subquery(qs.values("pk"))).update(
+            cleanup_status=derived, updated_at=UtcNow()
+        )
+
+    def with_unresolved_count(self) -> EventRunQuerySet:
+        """Annotate each run with its unresolved row count, in the same query."""
+        from .models import EventRunResource
+
+        counts = (
+            EventRunResource.objects.filter(run=OuterRef("pk"), status__in=UNRESOLVED)
+            .order_by()
+            .values("run")
+            .annotate(n=Count("pk"))
+            .values("n")
+        )
+        return self.annotate(
+            unresolved_count=models.functions.Coalesce(
+                models.Subquery(counts, output_field=models.IntegerField()), 0
+            )
+        )
+
+
+# ── steps ─────────────────────────────────────────────────────────────────────
+
+
+class EventRunStepQuerySet(models.QuerySet):
+    def claim(self, step: Any, ttl: timedelta | None = None) -> str | None:
+        """Claim a step to execute it: ``pending → running``, or a ``running`` step whose
+        claim is older than the TTL (its worker died). Answers the claim's token, or
+        None when another worker holds it. Exactly one concurrent caller wins; every
+        claim counts an attempt, so a step that kills its worker cannot loop for ever.
+        """
+        ttl = ttl or ledger_settings.STEP_CLAIM_TTL
+        token = new_token()
+        won = (
+            self.filter(pk=_pk(step))
+            .filter(Q(status="pending") | Q(status="running", claimed_at__lt=UtcNow() - ttl))
+            # claim_token and claimed_at change on every claim: matched == changed.
+            .update(
+                status="running",
+                claim_token=token,
+                claimed_at=UtcNow(),
+                attempts=F("attempts") + 1,
+                updated_at=UtcNow(),
+            )
+        )
+        return token if won == 1 else None
+
+    def settle(self, step: Any, token: str, status: str, error: str | None = None) -> bool:
+        """Write a step's outcome, only while the caller's claim is still the current one."""
+        values: dict[str, Any] = {"status": status, "updated_at": UtcNow()}
+        values["last_error"] = None if error is None else str(error)[:2000]
+        return (
+            self.filter(pk=_pk(step), claim_token=token, status="running").update(**values) == 1
+        )
+
+
+# ── the ledger ────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a target: the run and the row's status."""
+
+    run_id: int
+    status: str
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """``reserve()``'s answer: ok with the new row's id, or refused with a code."""
+
+    ok: bool
+    id: int | None = None
+    code: str | None = None
+    holder: Holder | None = None
+
+
+@dataclass(frozen=True)
+class GroupClaim:
+    """The rows one claim won (all stamped with ``token``), and released rows that
+    could not be claimed because another run now holds their target."""
+
+    token: str
+    rows: list[EventRunResource] = field(default_factory=list)
+    collided: list[int] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        return [r.pk for r in self.rows]
+
+
+class EventRunResourceQuerySet(models.QuerySet):
+    # ── filters ──
+
+    def held(self) -> EventRunResourceQuerySet:
+        return self.filter(status__in=HELD)
+
+    def unresolved(self) -> EventRunResourceQuerySet:
+        return self.filter(status__in=UNRESOLVED)
+
+    def retryable(self, max_attempts: int, max_claims: int | None = None) -> EventRunResourceQuerySet:
+        """Unresolved rows the automatic sweep will still try (rule 2's bound)."""
+        qs = self.unresolved().filter(revert_attempts__lt=max_attempts)
+        if max_claims is not None:
+            qs = qs.filter(claim_count__lt=max_claims)
+        return qs
+
+    def _stale_claim(self, ttl: timedelta) -> Q:
+        return Q(status="reverting", updated_at__lt=UtcNow() - ttl)
+
+    # ── R1 ──
+
+    def reserve(
+        self,
+        run: Any,
+        step: Any = None,
+        *,
+        owner: str,
+        kind: str,
+        ref: str,
+        payload: Any = None,
+        lease_until: datetime | None = None,
+        member_key: str | None = None,
+    ) -> Reservation:
+        """Insert a ``pending`` row for a target. The unique key is the check: on a held
+        target the insert loses and the answer is ``code="held"`` naming the holder,
+        looked up only after losing. Runs in a savepoint, so a refusal never breaks the
+        caller's transaction; a deadlock is retried when no outer transaction is open.
+        """
+
+        def insert() -> int:
+            row = self.create(
+                run_id=_pk(run),
+                step_id=_pk(step),
+                owner_module=owner,
+                kind=kind,
+                ref=ref,
+                payload=payload,
+                lease_until=lease_until,
+                member_key=member_key,
+                status="pending",
+            )
+            return row.pk
+
+        for _ in range(3):
+            try:
+                return Reservation(ok=True, id=retrying_deadlocks(insert, using=self.db))
+            except IntegrityError as exc:
+                if not is_unique_violation(exc):
+                    raise
+            holder = self.held_by(owner, kind, ref)
+            if holder is not None:
+                return Reservation(ok=False, code="held", holder=holder)
+            # The holder let go between our insert and the look-up: try again.
+        return Reservation(ok=False, code="held", holder=None)
+
+    def held_by(self, owner: str, kind: str, ref: str) -> Holder | None:
+        found = (
+            self.filter(owner_module=owner, kind=kind, ref=ref, status__in=HELD)
+            .values_list("run_id", "status")
+            .first()
+        )
+        return Holder(run_id=found[0], status=found[1]) if found else None
+
+    def holders(self, owner: str, targets: Iterable[tuple[str, str]]) -> dict[tuple[str, str], Holder]:
+        """The holders of many ``(kind, ref)`` targets of one module, in one query."""
+        targets = set(targets)
+        if not targets:
+            return {}
+        kinds = {k for k, _ in targets}
+        refs = {r for _, r in targets}
+        found = self.filter(
+            owner_module=owner, kind__in=kinds, ref__in=refs, status__in=HELD
+        ).values_list("kind", "ref", "run_id", "status")
+        return {(k, r): Holder(run_id, s) for k, r, run_id, s in found if (k, r) in targets}
+
+    # ── R2, R3 ──
+
+    def confirm(
+        self,
+        pk: Any,
+        *,
+        payload: Any = _UNSET,
+        lease_until: Any = _UNSET,
+        member_key: Any = _UNSET,
+    ) -> bool:
+        """``pending → confirmed`` only, setting only the fields given. A late answer can
+        never un-revert a row."""
+        values: dict[str, Any] = {"status": "confirmed", "updated_at": UtcNow()}
+        if payload is not _UNSET:
+            values["payload"] = payload
+        if lease_until is not _UNSET:
+            values["lease_until"] = lease_until
+        if member_key is not _UNSET:
+            values["member_key"] = member_key
+        return self.filter(pk=_pk(pk), status="pending").update(**values) == 1
+
+    def resolve_placeholder(self, pk: Any) -> bool:
+        """An answered step's ``@step`` row: ``pending|confirmed → reverted``, which frees
+        its idempotency key."""
+        return (
+            self.filter(pk=_pk(pk), kind=STEP_KIND, status__in=LIVE).update(
+                status="reverted", last_error=None, updated_at=UtcNow()
+            )
+            == 1
+        )
+
+    # ── R4 reads ──
+
+    def find_by_target(self, owner: str, kind: str, ref: str) -> EventRunResourceQuerySet:
+        """Every row ever written for a target, live or not, newest first."""
+        return self.filter(owner_module=owner, kind=kind, ref=ref).order_by("-pk")
+
+    def for_run(self, run: Any) -> EventRunResourceQuerySet:
+        return self.filter(run=_pk(run)).order_by("pk")
+
+    def unresolved_for_run(
+        self, run: Any, max_attempts: int | None = None, max_claims: int | None = None
+    ) -> EventRunResourceQuerySet:
+        qs = self.for_run(run).unresolved()
+        if max_attempts is not None:
+            qs = qs.retryable(max_attempts, max_claims)
+        return qs
+
+    def unresolved_count(self, run: Any) -> int:
+        return self.filter(run=_pk(run)).unresolved().count()
+
+    def unresolved_counts(self, run_ids: Iterable[Any]) -> dict[int, int]:
+        """Unresolved counts for many runs, keyed by run id, in ONE query. Runs with
+        none are absent from the mapping."""
+        ids = _pks(run_ids)
+        if not ids:
+            return {}
+        rows = (
+            self.filter(run__in=ids, status__in=UNRESOLVED)
+            .order_by()
+            .values("run")
+            .annotate(n=Count("pk"))
+            .values_list("run", "n")
+        )
+        return dict(rows)
+
+    # ── R5 claims ──
+
+    def claim_revert(self, pk: Any, ttl: timedelta | None = None) -> str | None:
+        """Claim one row for a revert; answers the claim's token, or None if lost.
+
+        Compare-and-set: ``pending|confirmed|orphaned|drifted → reverting``, or a
+        ``reverting`` row whose claim is older than ``REVERT_CLAIM_TTL`` (its process
+        died). Exactly one of many concurrent claimers wins. The claim re-stamps
+        ``updated_at`` and writes a new token: MySQL counts *matched* rows, and a
+        stale row that did not change would match for a second claimer too.
+        Reclaiming does not count a revert attempt (a crash is not a failure).
+        """
+        claim = self.claim_group([pk], ttl=ttl)
+        return claim.token if claim.rows else None
+
+    def claim_group(self, pks: Iterable[Any], ttl: timedelta | None = None) -> GroupClaim:
+        """Claim many rows in a bounded number of statements, one token for all of them.
+
+        Each row is claimed by its own compare-and-set inside one UPDATE, so each row
+        still has exactly one winner; which rows this caller won is read back by token.
+        A released row whose target another run now holds cannot go live again: the
+        whole UPDATE fails, so those rows are retried one by one and reported as
+        ``collided`` instead of raising.
+        """
+        ids = _pks(pks)
+        token = new_token()
+        if not ids:
+            return GroupClaim(token=token)
+        ttl = ttl or ledger_settings.REVERT_CLAIM_TTL
+        values = {
+            "status": "reverting",
+            "claim_token": token,
+            "claim_count": F("claim_count") + 1,
+            "updated_at": UtcNow(),
+        }
+        rows = self.filter(pk__in=ids)
+        # Held rows are live already, so turning them `reverting` can never collide.
+        retrying_deadlocks(
+            lambda: rows.filter(Q(status__in=LIVE) | self._stale_claim(ttl)).update(**values),
+            using=self.db,
+        )
+        collided: list[int] = []
+        try:
+            retrying_deadlocks(
+                lambda: rows.filter(status__in=RELEASED_UNCLEAN).update(**values), using=self.db
+            )
+        except IntegrityError as exc:
+            if not is_unique_violation(exc):
+                raise
+            for pk in ids:
+                try:
+                    retrying_deadlocks(
+                        lambda pk=pk: self.filter(pk=pk, status__in=RELEASED_UNCLEAN).update(
+                            **values
+                        ),
+                        using=self.db,
+                    )
+                except IntegrityError as row_exc:
+                    if not is_unique_violation(row_exc):
+                        raise
+                    collided.append(pk)
+        won = list(self.filter(claim_token=token, status="reverting").order_by("pk"))
+        return GroupClaim(token=token, rows=won, collided=collided)
+
+    def note_collision(self, pk: Any, max_attempts: int | None = None) -> Holder | None:
+        """A released row could not be claimed because another run holds its target:
+        spend an attempt with an error naming that run, so the row ends within the
+        attempt bound instead of being picked up on every pass."""
+        row = self.filter(pk=_pk(pk)).values("owner_module", "kind", "ref").first()
+        if row is None:
+            return None
+        holder = self.held_by(row["owner_module"], row["kind"], row["ref"])
+        who = f"run {holder.run_id}" if holder else "another run"
+        self.filter(pk=_pk(pk), status__in=RELEASED_UNCLEAN).update(
+            revert_attempts=F("revert_attempts") + 1,
+            last_error=cut_error(
+                f"{row['kind']} {row['ref']!r} is held by {who} now; "
+                "giving it back would take it from that run"
+            ),
+            updated_at=UtcNow(),
+        )
+        return holder
+
+    # ── R6, R7 verdicts ──
+
+    def _claimed(self, pks: Any, token: str | None) -> EventRunResourceQuerySet:
+        qs = self.filter(pk__in=_pks(pks), status="reverting")
+        return qs if token is None else qs.filter(claim_token=token)
+
+    def mark_reverted(self, pks: Any, token: str | None = None) -> int:
+        """The revert worked: ``reverting → reverted`` (terminal; releases the target,
+        clears the error). With ``token``, only while that claim is the current one."""
+        return self._claimed(pks, token).update(
+            status="reverted", last_error=None, claim_count=0, updated_at=UtcNow()
+        )
+
+    def fail_revert(
+        self,
+        pks: Any,
+        error: object,
+        restore_to: str = "confirmed",
+        token: str | None = None,
+        *,
+        spent_claims: bool = False,
+    ) -> int:
+        """The revert did not work: back to ``restore_to`` with the error (cut to 500).
+
+        ``revert_attempts`` is incremented here and nowhere else, and no sweep resets
+        it: a reclaim that reset it made the attempt bound unreachable. With
+        ``spent_claims`` the claim counter is kept, marking a poison row as spent.
+        """
+        if restore_to not in ("confirmed", "drifted", "orphaned"):
+            raise ValueError(f"restore_to must be confirmed, drifted or orphaned, not {restore_to!r}")
+        values: dict[str, Any] = {
+            "status": restore_to,
+            "revert_attempts": F("revert_attempts") + 1,
+            "last_error": cut_error(error),
+            "updated_at": UtcNow(),
+        }
+        if not spent_claims:
+            values["claim_count"] = 0
+        return self._claimed(pks, token).update(**values)
+
+    def reset_attempts(self, run: Any) -> int:
+        """The human's licence, never automation's: zero the counters of a run's
+        unresolved rows. Answers how many rows. A ``reverting`` row keeps its stamp,
+        which dates its claim."""
+        return (
+            self.filter(run=_pk(run))
+            .unresolved()
+            .update(
+                revert_attempts=0,
+                claim_count=0,
+                updated_at=Case(
+                    When(status="reverting", then=F("updated_at")), default=UtcNow()
+                ),
+            )
+        )
+
+    # ── R9, R10 reconcile ──
+
+    def live_for_module(self, owner: str, limit: int = 500) -> list[EventRunResource]:
+        return list(self.filter(owner_module=owner, status__in=LIVE).order_by("pk")[:limit])
+
+    def modules_with_live_rows(self) -> list[str]:
+        return sorted(
+            self.filter(status__in=LIVE)
+            .order_by()
+            .values_list("owner_module", flat=True)
+            .distinct()
+        )
+
+    def mark_orphaned(self, pks: Any, detail: object = None) -> int:
+        """Nobody gave it back, it is just gone: ``pending|confirmed|reverting →
+        orphaned``. Only reconcile says this; a revert that finds nothing is a success."""
+        return self.filter(pk__in=_pks(pks), status__in=HELD).update(
+            status="orphaned",
+            last_error=None if detail is None else cut_error(detail),
+            updated_at=UtcNow(),
+        )
+
+    # ── R11 ──
+
+    def runs_needing_cleanup(
+        self, limit: int, max_attempts: int, max_claims: int | None = None
+    ) -> list[EventRun]:
+        """Terminal runs with a row the sweep will still try, by id.
+
+        ``not_required`` is in the list because a run whose only row is a lease may
+        never have been marked dirty; the attempt bound is there so a run whose rows
+        are spent is not picked up on every pass for ever.
+        """
+        from .models import EventRun
+
+        owing = self.retryable(max_attempts, max_claims).values("run_id")
+        return list(
+            EventRun.objects.terminal()
+            .filter(cleanup_status__in=("pending", "not_required"), pk__in=owing)
+            .order_by("pk")[:limit]
+        )
+
+
+class EventRunLogManager(models.Manager["EventRunLog"]):
+    def write(self, run: Any, kind: str, detail: Mapping[str, Any] | None = None) -> EventRunLog:
+        """Append one entry to a run's log (C7)."""
+        return self.create(run_id=_pk(run), kind=kind, detail=dict(detail or {}))

@@ -1,0 +1,196 @@
+"""Actions and leases that host apps register, and how they are found at start-up."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("events_ledger")
+
+#: What the ledger does with an action's effects. ``none``: nothing to undo; ``self``:
+#: it undoes itself; ``ledger``: it declares ``revert()`` and what it made is known
+#: only from its answer; ``override``: it borrows a value through a lease.
+REVERSIBLE_CLASSES = ("none", "self", "ledger", "override")
+
+#: The core action that takes a lease (W6).
+LEASE_ACTION_ID = "core.lease"
+
+
+class AlreadyRegistered(Exception):
+    """An action or lease id is registered twice."""
+
+
+class NotRegistered(Exception):
+    """No action or lease has that id."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """A verb a host app offers to runs.
+
+    ``perform(*, run_id, params, idempotency_key) -> dict``,
+    ``revert(*, run_id, resources, idempotency_key) -> dict`` and
+    ``reconcile(*, run_id, resources) -> dict`` answer plain envelopes, which the
+    ledger classifies defensively: only ``{"ok": True, ...}`` is a success.
+    """
+
+    id: str
+    owner: str
+    reversible: str = "none"
+    perform: Callable[..., Any] | None = None
+    revert: Callable[..., Any] | None = None
+    reconcile: Callable[..., Any] | None = None
+    budget_ms: int = 10_000
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A way to borrow a value and put it back.
+
+    ``read(*, target) -> value`` gives the baseline, ``apply(value, *, target, run_id)
+    -> dict`` sets it, ``restore(baseline, *, expected, run_id, target) -> dict`` puts
+    it back, answering ``{"drifted": True, "current": v}`` when somebody else's value
+    is in place.
+    """
+
+    id: str
+    owner: str
+    read: Callable[..., Any] | None = None
+    apply: Callable[..., Any] | None = None
+    restore: Callable[..., Any] | None = None
+    budget_ms: int | None = None
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class LeaseRef:
+    """A lease found through a ref: ``world.spawn_rate#dungeon-3`` names the lease
+    ``world.spawn_rate`` and the target ``dungeon-3``."""
+
+    lease: Lease
+    target: str | None
+
+
+def split_lease_ref(ref: str) -> tuple[str, str | None]:
+    lease_id, sep, target = str(ref).partition("#")
+    return lease_id, (target if sep else None)
+
+
+@dataclass
+class Registry:
+    actions: dict[str, Action] = field(default_factory=dict)
+    leases: dict[str, Lease] = field(default_factory=dict)
+    #: Problems met while discovering host apps' modules, reported by the system checks.
+    problems: list[str] = field(default_factory=list)
+
+    # ── registration ──
+
+    def register_action(self, action: Action) -> Action:
+        if not isinstance(action, Action):
+            raise TypeError(f"register_action() takes an Action, not {type(action).__name__}")
+        if action.id in self.actions:
+            raise AlreadyRegistered(f"the action {action.id!r} is already registered")
+        self.actions[action.id] = action
+        return action
+
+    def register_lease(self, lease: Lease) -> Lease:
+        if not isinstance(lease, Lease):
+            raise TypeError(f"register_lease() takes a Lease, not {type(lease).__name__}")
+        if lease.id in self.leases:
+            raise AlreadyRegistered(f"the lease {lease.id!r} is already registered")
+        if "#" in lease.id:
+            raise ValueError(f"a lease id cannot contain '#': {lease.id!r} (it separates the target)")
+        self.leases[lease.id] = lease
+        return lease
+
+    def unregister_action(self, action_id: str) -> None:
+        if self.actions.pop(action_id, None) is None:
+            raise NotRegistered(f"no action {action_id!r} is registered")
+
+    def unregister_lease(self, lease_id: str) -> None:
+        if self.leases.pop(lease_id, None) is None:
+            raise NotRegistered(f"no lease {lease_id!r} is registered")
+
+    # ── lookup ──
+
+    def action(self, action_id: str | None) -> Action | None:
+        return self.actions.get(action_id) if action_id else None
+
+    def lease(self, lease_id: str | None) -> Lease | None:
+        return self.leases.get(lease_id) if lease_id else None
+
+    def lease_for_ref(self, ref: str | None) -> LeaseRef | None:
+        """Resolve a lease ref, targeted or not, through the lease's own id."""
+        if not ref:
+            return None
+        lease_id, target = split_lease_ref(ref)
+        lease = self.leases.get(lease_id)
+        return LeaseRef(lease, target) if lease else None
+
+    @contextmanager
+    def isolated(self) -> Iterator[Registry]:
+        """Register and unregister freely inside; everything is put back after."""
+        saved = (dict(self.actions), dict(self.leases), list(self.problems))
+        try:
+            yield self
+        finally:
+            self.actions, self.leases, self.problems = (
+                saved[0],
+                saved[1],
+                saved[2],
+            )
+
+
+registry = Registry()
+
+
+def register_action(action: Action | None = None, **options: Any) -> Any:
+    """Register an action. As a call: ``register_action(Action(...))``. As a decorator
+    of the ``perform`` function: ``@register_action(id=..., owner=..., ...)``."""
+    if action is not None:
+        return registry.register_action(action)
+
+    def decorator(perform: Callable[..., Any]) -> Callable[..., Any]:
+        registry.register_action(Action(perform=perform, **options))
+        return perform
+
+    return decorator
+
+
+def register_lease(lease: Lease) -> Lease:
+    return registry.register_lease(lease)
+
+
+def autodiscover() -> None:
+    """Import ``event_actions`` of every installed app, as the admin imports ``admin``.
+
+    A duplicate id in a host app is recorded for the system check instead of
+    stopping every process at start-up; any other import error propagates.
+    """
+    from django.apps import apps
+    from django.utils.module_loading import module_has_submodule
+
+    _register_core()
+    from importlib import import_module
+
+    for config in apps.get_app_configs():
+        if not module_has_submodule(config.module, "event_actions"):
+            continue
+        try:
+            import_module(f"{config.name}.event_actions")
+        except AlreadyRegistered as exc:
+            registry.problems.append(f"{config.name}.event_actions: {exc}")
+
+
+def _register_core() -> None:
+    if LEASE_ACTION_ID not in registry.actions:
+        # Executed by the ledger itself (W6): it has no perform of its own, and its
+        # rows are given back through the lease registry.
+        registry.register_action(
+            Action(id=LEASE_ACTION_ID, owner="core", reversible="override",
+                   description="borrow a value through a registered lease")
+        )

@@ -1,0 +1,92 @@
+"""The example host project: events_ledger installed as any Django project would."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent
+
+env = environ.Env()
+environ.Env.read_env(BASE_DIR.parent / ".env", overwrite=False)
+
+SECRET_KEY = env("SECRET_KEY", default="events-ledger-example-not-secret")
+DEBUG = env.bool("DEBUG", default=True)
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "events_ledger",
+    "project.world",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "project.urls"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+WSGI_APPLICATION = "project.wsgi.application"
+
+DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}")}
+_db = DATABASES["default"]
+if _db["ENGINE"].endswith("sqlite3"):
+    # A file, also for tests: the deadline's worker threads and the race tests' child
+    # processes must see the same database as the test itself.
+    _db.setdefault("TEST", {})["NAME"] = env(
+        "SQLITE_TEST_NAME", default=str(BASE_DIR.parent / ".test-db.sqlite3")
+    )
+    _db.setdefault("OPTIONS", {}).update({"timeout": 20})
+elif _db["ENGINE"].endswith("mysql"):
+    # utf8mb4 for every text; the ledger's key columns pick their own byte-wise collation.
+    _db.setdefault("OPTIONS", {}).update({"charset": "utf8mb4"})
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+
+EVENTS_LEDGER = {
+    "REVERT_CLAIM_TTL": timedelta(milliseconds=env.int("EVENT_REVERT_CLAIM_TTL_MS", default=15 * 60 * 1000)),
+    "MAX_REVERT_ATTEMPTS": env.int("EVENT_REVERT_MAX_ATTEMPTS", default=3),
+    "CLEANUP_RUN_BATCH": env.int("EVENT_CLEANUP_RUN_BATCH", default=10),
+    "CLEANUP_GROUPS_PER_RUN": env.int("EVENT_CLEANUP_GROUPS_PER_RUN", default=25),
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"events_ledger": {"handlers": ["console"], "level": env("LEDGER_LOG_LEVEL", default="WARNING")}},
+}
