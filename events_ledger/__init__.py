@@ -18,6 +18,8 @@ _EXPORTS = {
     "registry": "registry",
     "AlreadyRegistered": "registry",
     "NotRegistered": "registry",
+    "execute_step": "ledger",
+    "StepResult": "ledger",
 }
 
 
@@ -28,6 +30,8 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'events_ledger' has no attribute {name!r}")
     from importlib import import_module
 
+    if name == module:  # the module is its own public face (events_ledger.registry)
+        return import_module(f"events_ledger.{module}")
     return getattr(import_module(f"events_ledger.{module}"), name)
 
 

@@ -7,7 +7,8 @@ from typing import Any
 from django.core.checks import Error, Tags, Warning, register
 
 from .conf import ledger_settings
-from .registry import REVERSIBLE_CLASSES, registry
+from .registry import REVERSIBLE_CLASSES
+from .registry import default_registry as registry
 
 E001 = "events_ledger.E001"  # duplicate id
 E002 = "events_ledger.E002"  # unknown reversible class

@@ -145,24 +145,32 @@ class Registry:
             )
 
 
-registry = Registry()
+#: The process's registry. The module itself is the public face of it:
+#: ``from events_ledger import registry; registry.action("world.spawn")``.
+default_registry = Registry()
+action = default_registry.action
+lease = default_registry.lease
+lease_for_ref = default_registry.lease_for_ref
+isolated = default_registry.isolated
+unregister_action = default_registry.unregister_action
+unregister_lease = default_registry.unregister_lease
 
 
 def register_action(action: Action | None = None, **options: Any) -> Any:
     """Register an action. As a call: ``register_action(Action(...))``. As a decorator
     of the ``perform`` function: ``@register_action(id=..., owner=..., ...)``."""
     if action is not None:
-        return registry.register_action(action)
+        return default_registry.register_action(action)
 
     def decorator(perform: Callable[..., Any]) -> Callable[..., Any]:
-        registry.register_action(Action(perform=perform, **options))
+        default_registry.register_action(Action(perform=perform, **options))
         return perform
 
     return decorator
 
 
 def register_lease(lease: Lease) -> Lease:
-    return registry.register_lease(lease)
+    return default_registry.register_lease(lease)
 
 
 def autodiscover() -> None:
@@ -183,14 +191,14 @@ def autodiscover() -> None:
         try:
             import_module(f"{config.name}.event_actions")
         except AlreadyRegistered as exc:
-            registry.problems.append(f"{config.name}.event_actions: {exc}")
+            default_registry.problems.append(f"{config.name}.event_actions: {exc}")
 
 
 def _register_core() -> None:
-    if LEASE_ACTION_ID not in registry.actions:
+    if LEASE_ACTION_ID not in default_registry.actions:
         # Executed by the ledger itself (W6): it has no perform of its own, and its
         # rows are given back through the lease registry.
-        registry.register_action(
+        default_registry.register_action(
             Action(id=LEASE_ACTION_ID, owner="core", reversible="override",
                    description="borrow a value through a registered lease")
         )

@@ -1,0 +1,58 @@
+"""Running real OS processes against the test database."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["LEDGER_CHILD_DB_NAME"] = str(connection.settings_dict["NAME"])
+    env["DJANGO_SETTINGS_MODULE"] = "tests.child_settings"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def spawn(module: str, *args: str, **popen: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=child_env(),
+        text=True,
+        **popen,
+    )
+
+
+def race(task: str, arg_list: list[dict[str, Any]], timeout: float = 120) -> list[dict[str, Any]]:
+    """Start one child per argument set, release them together, collect their answers."""
+    procs = [
+        spawn("tests.procs", task, json.dumps(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        for args in arg_list
+    ]
+    try:
+        for p in procs:
+            line = p.stdout.readline()
+            assert line.strip() == "ready", f"child did not start: {line!r}"
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = []
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            result = json.loads(out.strip().splitlines()[-1])
+            assert "crash" not in result, result["crash"]
+            results.append(result)
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
