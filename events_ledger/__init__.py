@@ -20,6 +20,14 @@ _EXPORTS = {
     "NotRegistered": "registry",
     "execute_step": "ledger",
     "StepResult": "ledger",
+    "classify_revert": "envelopes",
+    "cleanup_run": "cleanup",
+    "plan_run": "cleanup",
+    "sweep": "cleanup",
+    "reconcile": "cleanup",
+    "reconcile_module": "cleanup",
+    "reconcile_all": "cleanup",
+    "RunNotTerminal": "cleanup",
 }
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, models, transaction
 from django.db.models import Case, Count, Exists, F, OuterRef, Q, Value, When
+from django.db.models.functions import Greatest
 
 from .conf import ledger_settings
 from .db import UtcNow, is_unique_violation, retrying_deadlocks
@@ -456,18 +457,26 @@ class EventRunResourceQuerySet(models.QuerySet):
         token: str | None = None,
         *,
         spent_claims: bool = False,
+        spend_all: bool = False,
     ) -> int:
         """The revert did not work: back to ``restore_to`` with the error (cut to 500).
 
         ``revert_attempts`` is incremented here and nowhere else, and no sweep resets
         it: a reclaim that reset it made the attempt bound unreachable. With
-        ``spent_claims`` the claim counter is kept, marking a poison row as spent.
+        ``spent_claims`` the claim counter is kept, marking a poison row as spent; with
+        ``spend_all`` (an answer that says retrying is pointless) the attempt counter
+        jumps to the bound, so the run is reported ``incomplete`` now, not after
+        ``MAX_REVERT_ATTEMPTS`` identical failures.
         """
         if restore_to not in ("confirmed", "drifted", "orphaned"):
             raise ValueError(f"restore_to must be confirmed, drifted or orphaned, not {restore_to!r}")
         values: dict[str, Any] = {
             "status": restore_to,
-            "revert_attempts": F("revert_attempts") + 1,
+            "revert_attempts": (
+                Greatest(F("revert_attempts") + 1, Value(ledger_settings.MAX_REVERT_ATTEMPTS))
+                if spend_all
+                else F("revert_attempts") + 1
+            ),
             "last_error": cut_error(error),
             "updated_at": UtcNow(),
         }

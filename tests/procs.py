@@ -59,6 +59,29 @@ def task_verdict(ids: list[int], token: str) -> dict[str, Any]:
 TASKS = {"reserve": task_reserve, "claim": task_claim, "verdict": task_verdict}
 
 
+
+
+def task_cleanup(run_id: int) -> dict[str, Any]:
+    from events_ledger.cleanup import cleanup_run
+
+    return cleanup_run(run_id).as_dict()
+
+
+def task_sweep_until_done(rounds: int = 200) -> dict[str, Any]:
+    from events_ledger.cleanup import sweep
+
+    worked = 0
+    for _ in range(rounds):
+        report = sweep()
+        if not report.runs and not report.errors:
+            break
+        worked += len(report.runs)
+    return {"worked": worked}
+
+
+TASKS.update({"cleanup": task_cleanup, "sweep": task_sweep_until_done})
+
+
 def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.child_settings")
     task, args = sys.argv[1], json.loads(sys.argv[2])

@@ -35,3 +35,13 @@ class Switch(models.Model):
 
     name = models.CharField(max_length=64, primary_key=True)
     value = models.JSONField(null=True)
+
+
+class Call(models.Model):
+    """Every revert the world was asked for: what the tests and the demo count."""
+
+    verb = models.CharField(max_length=32)
+    idempotency_key = models.CharField(max_length=64, blank=True, default="")
+    refs = models.JSONField(default=list)
+    pid = models.IntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)

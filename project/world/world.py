@@ -8,7 +8,9 @@ from typing import Any
 
 from django.db import IntegrityError, transaction
 
-from .models import Announcement, Creature, RegionSetting, Switch
+import os
+
+from .models import Announcement, Call, Creature, RegionSetting, Switch
 
 #: Faults the tests and the demo can turn on. Each is read when the verb runs.
 SWITCHES = {
@@ -86,6 +88,8 @@ def spawn(*, run_id: int, params: dict[str, Any], idempotency_key: str) -> Any:
 def despawn(*, run_id: int, resources: list[dict[str, Any]], idempotency_key: str) -> Any:
     """Remove the listed creatures; with an empty list, whatever the key spawned.
     Removing what is not there is a success."""
+    Call.objects.create(verb="despawn", idempotency_key=idempotency_key or "",
+                        refs=[r.get("ref") for r in resources], pid=os.getpid())
     if _fault("despawn.raise"):
         raise RuntimeError("the despawner crashed")
     if _fault("despawn.hang"):
@@ -147,6 +151,7 @@ def set_rate(value: Any, *, target: str | None, run_id: int) -> Any:
 
 def put_back(baseline: Any, *, expected: Any, run_id: int, target: str | None) -> Any:
     """Put the baseline back, unless somebody else's value is in place now."""
+    Call.objects.create(verb="restore", idempotency_key=target or "", refs=[baseline], pid=os.getpid())
     if _fault("rate.restore_fail"):
         return {"ok": False, "error": "the settings service is read-only right now"}
     region = target or "default"
