@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -307,7 +307,7 @@ class SweepReport:
         return [s.run_id for s in self.runs if s.cleanup_status == "incomplete"]
 
 
-def sweep(limit: int | None = None) -> SweepReport:
+def sweep(limit: int | None = None, should_stop: Callable[[], bool] | None = None) -> SweepReport:
     """C5, the cron's leg: terminal runs only (a run in flight still grows its
     ledger), at most ``CLEANUP_RUN_BATCH`` of them; one run's failure is logged and
     does not stop the others. Summaries that disagree with their rows are repaired."""
@@ -317,6 +317,8 @@ def sweep(limit: int | None = None) -> SweepReport:
     report.repaired = EventRun.objects.repair_cleanup_summaries(max_attempts, max_claims)
     runs = Res.runs_needing_cleanup(limit or ledger_settings.CLEANUP_RUN_BATCH, max_attempts, max_claims)
     for run in runs:
+        if should_stop is not None and should_stop():
+            break  # asked to stop: the run in hand is finished, the rest wait
         if run.status not in EventRun.TERMINAL:
             continue
         try:

@@ -1,0 +1,158 @@
+"""``manage.py cleanup_runs``: the cron job that gives back what finished runs took."""
+
+from __future__ import annotations
+
+import getpass
+import signal
+import threading
+from typing import Any
+
+from django.db import close_old_connections, connection
+
+from events_ledger.cleanup import CleanupSummary, RunNotTerminal, cleanup_run, plan_run, sweep
+from events_ledger.conf import ledger_settings
+from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
+from events_ledger.models import EventRun, EventRunResource
+
+
+class Command(LedgerCommand):
+    help = (
+        "Give back what terminal runs still hold: one sweep (or one run with --run). "
+        "Exit status 0: clean or retries pending; 1: a run became incomplete or failed to "
+        "sweep; 2: bad arguments."
+    )
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--run", type=int, metavar="ID", help="Clean up this run only.")
+        parser.add_argument(
+            "--reset-attempts",
+            action="store_true",
+            help="With --run: the human retry. Zero the attempt counters first (logged with --actor).",
+        )
+        parser.add_argument("--actor", help="Who asks for the human retry (default: the OS user).")
+        parser.add_argument(
+            "--dry-run", action="store_true", help="List what would be given back; write nothing."
+        )
+        parser.add_argument(
+            "--loop", type=float, metavar="SECONDS",
+            help="Sweep every SECONDS until SIGTERM/SIGINT, finishing the run in hand.",
+        )
+        self.add_json_argument(parser)
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        if opts["reset_attempts"] and opts["run"] is None:
+            raise self.bad_input("--reset-attempts is the human retry of one run: give --run ID.")
+        if opts["loop"] is not None and (opts["run"] is not None or opts["dry_run"]):
+            raise self.bad_input("--loop sweeps; it does not go with --run or --dry-run.")
+        if opts["loop"] is not None and opts["loop"] <= 0:
+            raise self.bad_input("--loop takes a positive number of seconds.")
+        try:
+            ledger_settings.CLEANUP_RUN_BATCH  # a wrong setting is bad input, said plainly
+        except Exception as exc:
+            raise self.bad_input(str(exc)) from exc
+        self.verbosity = opts["verbosity"]
+        self.as_json = opts["json"]
+        run = self._run(opts["run"]) if opts["run"] is not None else None
+        if opts["dry_run"]:
+            return self.finish(self._dry_run(run, opts["reset_attempts"]))
+        if run is not None:
+            actor = opts["actor"] or f"cli:{getpass.getuser()}"
+            try:
+                summary = cleanup_run(run, reset_attempts=opts["reset_attempts"],
+                                      actor=actor if opts["reset_attempts"] else None)
+            except RunNotTerminal as exc:
+                raise self.bad_input(f"{exc}. Finish or cancel it first.") from exc
+            self._report([summary], {})
+            return self.finish(NEEDS_HUMAN if summary.cleanup_status == "incomplete" else OK)
+        if opts["loop"] is not None:
+            return self.finish(self._loop(opts["loop"]))
+        return self.finish(self._sweep_once())
+
+    def _run(self, pk: int) -> EventRun:
+        try:
+            return EventRun.objects.get(pk=pk)
+        except EventRun.DoesNotExist:
+            raise self.bad_input(f"There is no run {pk}.") from None
+
+    # ── one pass ──
+
+    def _sweep_once(self, should_stop: Any = None) -> int:
+        report = sweep(should_stop=should_stop)
+        self._report(report.runs, report.errors, repaired=report.repaired)
+        return NEEDS_HUMAN if report.incomplete or report.errors else OK
+
+    def _report(self, summaries: list[CleanupSummary], errors: dict[int, str], repaired: int = 0) -> None:
+        if self.as_json:
+            self.emit_json({"runs": [s.as_dict() for s in summaries], "errors": errors, "repaired": repaired})
+            return
+        if self.verbosity == 0:
+            return
+        for s in summaries:
+            style = {"complete": self.style.SUCCESS, "incomplete": self.style.ERROR}.get(
+                s.cleanup_status, self.style.WARNING)
+            self.stdout.write(style(
+                f"run {s.run_id}: attempted {s.attempted}, reverted {s.reverted}, drifted {s.drifted}, "
+                f"failed {s.failed}, remaining {s.remaining} -> {s.cleanup_status}"
+            ))
+            if self.verbosity >= 2:
+                for g in s.groups:
+                    line = f"  {g['call']} {g['what']}: {', '.join(g['resources'])} -> {g['outcome']}"
+                    self.stdout.write(line + (f" ({g['error']})" if g.get("error") else ""))
+        for run_id, error in errors.items():
+            self.stderr.write(self.style.ERROR(f"run {run_id}: the sweep failed: {error}"))
+        if repaired and self.verbosity >= 1:
+            self.stdout.write(f"repaired the cleanup status of {repaired} run(s)")
+        if not summaries and not errors:
+            self.stdout.write("nothing to give back")
+
+    # ── dry run ──
+
+    def _dry_run(self, run: EventRun | None, human: bool) -> int:
+        if run is not None:
+            runs = [run]
+        else:
+            runs = EventRunResource.objects.runs_needing_cleanup(
+                ledger_settings.CLEANUP_RUN_BATCH, ledger_settings.MAX_REVERT_ATTEMPTS,
+                ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT)
+        plans = {r.pk: plan_run(r, reset_attempts=human) for r in runs}
+        if self.as_json:
+            self.emit_json({"dry_run": True, "runs": {pk: [g.describe() for g in groups]
+                                                      for pk, groups in plans.items()}})
+            return OK
+        if not any(plans.values()):
+            self.stdout.write("nothing would be given back")
+        for pk, groups in plans.items():
+            run = next(r for r in runs if r.pk == pk)
+            if not groups:
+                continue
+            self.stdout.write(f"run {pk} ({run.name}, {run.status}) would give back:")
+            for g in groups:
+                self.stdout.write(f"  - {g.call}" + (f"  [cannot: {g.problem}]" if g.problem else ""))
+        return OK
+
+    # ── loop ──
+
+    def _loop(self, every: float) -> int:
+        stop = threading.Event()
+
+        def request_stop(signum: int, frame: Any) -> None:
+            if self.verbosity:
+                self.stdout.write(f"signal {signum}: finishing the run in hand, then stopping")
+            stop.set()
+
+        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        status = OK
+        try:
+            while not stop.is_set():
+                try:
+                    status = max(status, self._sweep_once(should_stop=stop.is_set))
+                finally:
+                    # Never hold a connection (or a snapshot) across passes: a server
+                    # that went away between passes is reconnected to on the next.
+                    close_old_connections()
+                    connection.close()
+                stop.wait(every)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return status

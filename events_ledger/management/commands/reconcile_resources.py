@@ -1,0 +1,48 @@
+"""``manage.py reconcile_resources``: ask modules which of their resources still exist."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from events_ledger.cleanup import reconcile_all, reconcile_module
+from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
+from events_ledger.models import EventRunResource
+
+
+class Command(LedgerCommand):
+    help = (
+        "Ask each module with live rows (or --module OWNER) which are still in force; rows "
+        "no longer in force become orphaned. Exit status 1 when answers were held back by "
+        "the safety bound."
+    )
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--module", metavar="OWNER", help="Ask this module only.")
+        parser.add_argument(
+            "--force", action="store_true",
+            help="Orphan even when the answers would orphan more than RECONCILE_MAX_ORPHAN_FRACTION.",
+        )
+        self.add_json_argument(parser)
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        owner = opts["module"]
+        if owner is not None:
+            if owner not in EventRunResource.objects.modules_with_live_rows():
+                known = ", ".join(EventRunResource.objects.modules_with_live_rows()) or "none"
+                raise self.bad_input(f"The module {owner!r} has no live rows (modules with live rows: {known}).")
+            results = {owner: reconcile_module(owner, force=opts["force"])}
+        else:
+            results = reconcile_all(force=opts["force"])
+        held_back = [s for s in results.values() if s.held_back]
+        if opts["json"]:
+            self.emit_json({owner: s.as_dict() for owner, s in results.items()})
+        elif opts["verbosity"]:
+            if not results:
+                self.stdout.write("no module has live rows")
+            for name, s in results.items():
+                line = (f"{name}: asked {s.asked}, in force {s.in_force}, orphaned {s.orphaned}, "
+                        f"unanswered {s.unanswered}")
+                self.stdout.write(self.style.ERROR(line) if s.held_back else line)
+                if s.reason:
+                    self.stdout.write(f"  {s.reason}")
+        self.finish(NEEDS_HUMAN if held_back else OK)
