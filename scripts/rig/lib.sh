@@ -70,7 +70,7 @@ pid_alive() {
     [ -r "$f" ] || return 1
     pid="$(head -n1 "$f" 2>/dev/null | tr -dc '0-9')"
     [ -n "$pid" ] || return 1
-    kill -0 "$pid" 2>/dev/null || return 1
+    is_live "$pid" || return 1
     tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -Eq "$re" || return 1
     echo "$pid"
 }
@@ -78,11 +78,21 @@ pid_alive() {
 my_pid() { pid_alive "$MY_PID" 'mariadbd|mysqld'; }
 pg_pid() { pid_alive "$PG_DATA/postmaster.pid" 'postgres|postmaster'; }
 
+# is_live PID : the process exists and is not a zombie. (PID 1 on these
+# machines reaps orphans only every couple of seconds, so a stopped daemon
+# lingers as a zombie that `kill -0` still reports as alive.)
+is_live() {
+    kill -0 "$1" 2>/dev/null || return 1
+    local st
+    st="$(sed -n 's/^[0-9]* (.*) \([A-Za-z]\) .*/\1/p' "/proc/$1/stat" 2>/dev/null)"
+    [ "$st" != Z ] && [ "$st" != X ]
+}
+
 # wait_gone PID SECONDS
 wait_gone() {
     local pid="$1" n=$(( $2 * 10 ))
-    while kill -0 "$pid" 2>/dev/null && [ "$n" -gt 0 ]; do sleep 0.1; n=$((n - 1)); done
-    ! kill -0 "$pid" 2>/dev/null
+    while is_live "$pid" && [ "$n" -gt 0 ]; do sleep 0.1; n=$((n - 1)); done
+    ! is_live "$pid"
 }
 
 as_rig_user() { runuser -u "$RIG_USER" -- "$@"; }
