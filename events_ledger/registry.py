@@ -191,7 +191,9 @@ def autodiscover() -> None:
         try:
             import_module(f"{config.name}.event_actions")
         except AlreadyRegistered as exc:
-            default_registry.problems.append(f"{config.name}.event_actions: {exc}")
+            problem = f"{config.name}.event_actions: {exc}"
+            if problem not in default_registry.problems:
+                default_registry.problems.append(problem)
 
 
 def _register_core() -> None:

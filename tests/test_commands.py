@@ -1,0 +1,158 @@
+"""The cron commands (SPEC S1, S2): output, dry run, human retry, loop, exit statuses."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from events_ledger.ledger import execute_step
+from events_ledger.models import EventRun, EventRunLog, EventRunResource
+from project.world.models import Creature
+from tests.helpers import new_run, spawn_step
+from tests.processes import ROOT, child_env
+
+pytestmark = pytest.mark.django_db(transaction=True)
+Res = EventRunResource.objects
+
+
+def finished_run(status="completed", count=2, region="north"):
+    run = new_run()
+    assert execute_step(spawn_step(run, region, count)).outcome == "done"
+    EventRun.objects.transition(run, status, from_="running")
+    return run
+
+
+def command(*args):
+    out, err = StringIO(), StringIO()
+    code = 0
+    try:
+        call_command(*args, stdout=out, stderr=err)
+    except SystemExit as exc:
+        code = exc.code
+    except CommandError as exc:
+        code = exc.returncode
+        err.write(str(exc))
+    return code, out.getvalue(), err.getvalue()
+
+
+def manage(*args, timeout=60):
+    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_one_sweep_with_a_line_per_run(world):  # S1, C5
+    run = finished_run()
+    code, out, _ = command("cleanup_runs")
+    assert code == 0
+    assert f"run {run.pk}: attempted 2, reverted 2, drifted 0, failed 0, remaining 0 -> complete" in out
+    assert Creature.objects.count() == 0
+
+
+def test_verbosity_zero_is_silent_and_two_shows_each_resource(world):  # S1
+    finished_run()
+    assert command("cleanup_runs", "--verbosity", "0")[1] == ""
+    run = finished_run()
+    serials = list(Creature.objects.values_list("serial", flat=True))
+    _, out, _ = command("cleanup_runs", "--verbosity", "2")
+    assert f"run {run.pk}:" in out and all(f"creature:{s}" in out for s in serials)
+
+
+def test_json_output(world):  # S1
+    run = finished_run()
+    code, out, _ = command("cleanup_runs", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["runs"][0]["run_id"] == run.pk and doc["runs"][0]["cleanup_status"] == "complete"
+
+
+def test_dry_run_lists_the_plan_and_writes_nothing(world):  # S1
+    run = finished_run()
+    step = run.steps.get()
+    before = list(Res.filter(run=run).values_list("pk", "status", "revert_attempts", "updated_at"))
+    code, out, _ = command("cleanup_runs", "--dry-run")
+    assert code == 0
+    assert f"run {run.pk}" in out and f"world.spawn.revert(key={step.idempotency_key}" in out
+    assert all(f"creature:{s}" in out for s in Creature.objects.values_list("serial", flat=True))
+    assert list(Res.filter(run=run).values_list("pk", "status", "revert_attempts", "updated_at")) == before
+    assert Creature.objects.count() == 2
+    doc = json.loads(command("cleanup_runs", "--dry-run", "--json")[1])
+    assert doc["dry_run"] and doc["runs"][str(run.pk)][0]["call"] == "revert"
+
+
+def test_the_human_retry_is_logged_with_its_actor(world):  # S1, C4, rule 2
+    run = finished_run()
+    Res.filter(run=run).update(revert_attempts=3)
+    EventRun.objects.filter(pk=run.pk).update(cleanup_status="incomplete")
+    assert "nothing to give back" in command("cleanup_runs")[1]
+    code, out, _ = command("cleanup_runs", "--run", str(run.pk), "--reset-attempts", "--actor", "alice")
+    assert code == 0 and "-> complete" in out
+    assert EventRunLog.objects.get(run=run, kind="cleanup.retry").detail["by"] == "alice"
+
+
+@pytest.mark.slow
+def test_exit_statuses_a_cron_monitor_reads(world):  # S1
+    clean = manage("cleanup_runs")
+    assert clean.returncode == 0, clean.stderr
+    run = finished_run()
+    Res.filter(run=run).update(revert_attempts=2)
+    world.switch_on("despawn.fail")
+    stuck = manage("cleanup_runs")
+    assert stuck.returncode == 1 and "-> incomplete" in stuck.stdout
+    bad = manage("cleanup_runs", "--reset-attempts")
+    assert bad.returncode == 2 and "--run" in bad.stderr
+    missing = manage("cleanup_runs", "--run", "987654")
+    assert missing.returncode == 2 and "no run 987654" in missing.stderr
+    running = new_run()
+    busy = manage("cleanup_runs", "--run", str(running.pk))
+    assert busy.returncode == 2 and "running" in busy.stderr
+    assert manage("cleanup_runs", "--loop", "nonsense").returncode == 2
+
+
+@pytest.mark.slow
+def test_loop_sweeps_until_sigterm(world):  # S1
+    first = finished_run()
+    proc = subprocess.Popen([sys.executable, "manage.py", "cleanup_runs", "--loop", "0.2"], cwd=ROOT,
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def wait_complete(run):
+            deadline = time.monotonic() + 60
+            while EventRun.objects.get(pk=run.pk).cleanup_status != "complete":
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "the loop never swept the run"
+                time.sleep(0.1)
+
+        wait_complete(first)
+        second = finished_run(region="south")  # a later pass picks up a new run
+        wait_complete(second)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "finishing the run in hand" in out
+    assert Creature.objects.count() == 0
+
+
+def test_reconcile_resources_summary_bound_and_force(world):  # S2, C6
+    run = new_run()
+    execute_step(spawn_step(run, "north", 4))
+    world.restart()
+    code, out, _ = command("reconcile_resources")
+    assert code == 1
+    assert "world: asked 4, in force 0, orphaned 0" in out and "more than 50%" in out
+    assert set(Res.filter(kind="creature").values_list("status", flat=True)) == {"confirmed"}
+    code, out, _ = command("reconcile_resources", "--module", "world", "--force", "--json")
+    assert code == 0 and json.loads(out)["world"]["orphaned"] == 4
+    assert set(Res.filter(kind="creature").values_list("status", flat=True)) == {"orphaned"}
+
+
+def test_reconcile_resources_unknown_module_is_bad_input(world):  # S2
+    code, _, err = command("reconcile_resources", "--module", "nobody")
+    assert code == 2 and "nobody" in err
