@@ -180,8 +180,28 @@ class CleanupSummary:
 
 
 def _run(run: EventRun | int) -> EventRun:
-    # Always read afresh: a caller's instance may predate the run's last transition.
+    # A terminal status is final, so an instance that says so can be trusted; any other
+    # may predate the run's last transition and is read afresh.
+    if isinstance(run, EventRun) and run.status in EventRun.TERMINAL:
+        return run
     return EventRun.objects.get(pk=getattr(run, "pk", run))
+
+
+class _LogBuffer:
+    """A run's log entries of one cleanup, written in one INSERT (and written even when
+    the cleanup fails half-way, so no state change goes unlogged)."""
+
+    def __init__(self, run: EventRun) -> None:
+        self.run = run
+        self.entries: list[EventRunLog] = []
+
+    def add(self, kind: str, detail: dict[str, Any]) -> None:
+        self.entries.append(EventRunLog(run_id=self.run.pk, kind=kind, detail=detail))
+
+    def flush(self) -> None:
+        if self.entries:
+            EventRunLog.objects.bulk_create(self.entries)
+            self.entries = []
 
 
 def cleanup_run(run: EventRun | int, reset_attempts: bool = False, actor: str | None = None) -> CleanupSummary:
@@ -196,19 +216,30 @@ def cleanup_run(run: EventRun | int, reset_attempts: bool = False, actor: str | 
     run = _run(run)
     if run.status not in EventRun.TERMINAL:
         raise RunNotTerminal(f"run {run.pk} is {run.status}: only a finished run is cleaned up")
+    log = _LogBuffer(run)
+    try:
+        return _cleanup(run, reset_attempts, actor, log)
+    finally:
+        log.flush()
+
+
+def _cleanup(run: EventRun, reset_attempts: bool, actor: str | None, log: _LogBuffer) -> CleanupSummary:
     summary = CleanupSummary(run_id=run.pk)
     if reset_attempts:
         summary.reset = Res.reset_attempts(run)
         EventRun.objects.set_cleanup_status(run, "pending")
-        EventRunLog.objects.write(run, "cleanup.retry", {"resources": summary.reset, "by": actor})
+        log.add("cleanup.retry", {"resources": summary.reset, "by": actor})
 
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
     for group in _groups_for(run, human=reset_attempts):
-        claim = Res.claim_group([r.pk for r in group.rows])
+        claim = Res.claim_group(
+            [r.pk for r in group.rows],
+            released=any(r.status in ("orphaned", "drifted") for r in group.rows),
+        )
         for pk in claim.collided:
             holder = Res.note_collision(pk)
             summary.failed += 1
-            EventRunLog.objects.write(run, "cleanup.collision", {
+            log.add("cleanup.collision", {
                 "resource": pk, "held_by_run": holder.run_id if holder else None})
         if not claim.rows:
             continue
@@ -222,20 +253,19 @@ def cleanup_run(run: EventRun | int, reset_attempts: bool = False, actor: str | 
             written = Res.fail_revert([r.pk for r in poisoned], error, token=claim.token, spent_claims=True)
             summary.attempted += len(poisoned)
             summary.failed += written
-            _log_verdict(run, group, poisoned, Verdict("terminal", error))
+            _log_verdict(log, group, poisoned, Verdict("terminal", error))
             rows = [r for r in rows if r.claim_count < max_claims]
             if not rows:
                 continue
         summary.attempted += len(rows)
         verdict = _give_back(group, rows)
-        _apply(run, group, rows, verdict, claim.token, summary)
+        _apply(log, group, rows, verdict, claim.token, summary)
 
-    summary.cleanup_status = EventRun.objects.settle_cleanup(
+    summary.cleanup_status, summary.remaining = EventRun.objects.settle_cleanup(
         run, ledger_settings.MAX_REVERT_ATTEMPTS, max_claims
     )
-    summary.remaining = Res.unresolved_count(run)
     if summary.attempted or reset_attempts:
-        EventRunLog.objects.write(run, "cleanup.swept", {
+        log.add("cleanup.swept", {
             "attempted": summary.attempted, "reverted": summary.reverted, "drifted": summary.drifted,
             "failed": summary.failed, "remaining": summary.remaining, "fenced": summary.fenced,
             "cleanup_status": summary.cleanup_status, "by": actor,
@@ -243,7 +273,7 @@ def cleanup_run(run: EventRun | int, reset_attempts: bool = False, actor: str | 
     return summary
 
 
-def _apply(run: EventRun, group: Group, rows: list[EventRunResource], verdict: Verdict,
+def _apply(log: _LogBuffer, group: Group, rows: list[EventRunResource], verdict: Verdict,
            token: str, summary: CleanupSummary) -> None:
     """Write one verdict over the rows it covers: at most two statements, fenced by the
     claim's token so a sweeper whose stale claim was taken over writes nothing."""
@@ -270,16 +300,16 @@ def _apply(run: EventRun, group: Group, rows: list[EventRunResource], verdict: V
             summary.errors.append(verdict.error)
     if written < len(ids):
         summary.fenced += len(ids) - written
-        EventRunLog.objects.write(run, "cleanup.fenced", {
+        log.add("cleanup.fenced", {
             "what": group.what, "resources": len(ids) - written,
             "reason": "another sweeper took the claim over; this verdict was not written",
             "verdict": verdict.outcome,
         })
-    _log_verdict(run, group, rows, verdict)
+    _log_verdict(log, group, rows, verdict)
     summary.groups.append({**group.describe(), "outcome": verdict.outcome, "error": verdict.error})
 
 
-def _log_verdict(run: EventRun, group: Group, rows: list[EventRunResource], verdict: Verdict) -> None:
+def _log_verdict(log: _LogBuffer, group: Group, rows: list[EventRunResource], verdict: Verdict) -> None:
     kind = {"done": "cleanup.reverted", "drifted": "cleanup.drifted"}.get(verdict.outcome, "cleanup.failed")
     detail: dict[str, Any] = {
         "what": group.what,
@@ -290,7 +320,7 @@ def _log_verdict(run: EventRun, group: Group, rows: list[EventRunResource], verd
         detail["error"] = verdict.error
     if verdict.failed:
         detail["failed"] = verdict.failed
-    EventRunLog.objects.write(run, kind, detail)
+    log.add(kind, detail)
 
 
 # ── C5 ──

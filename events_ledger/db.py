@@ -84,8 +84,8 @@ def is_connection_lost(exc: BaseException) -> bool:
 
 
 def retrying_deadlocks(fn: Callable[[], T], *, using: str = "default", tries: int = 5) -> T:
-    """Run ``fn`` in its own transaction, retrying it when the database picks it as a
-    deadlock victim.
+    """Run ``fn`` (statements that are each safe on their own), retrying it when the
+    database picks it as a deadlock victim.
 
     A MariaDB deadlock rolls back the caller's whole transaction, which no savepoint
     survives; so inside an outer transaction the error is re-raised for the owner of
@@ -95,6 +95,12 @@ def retrying_deadlocks(fn: Callable[[], T], *, using: str = "default", tries: in
     outer = conn.in_atomic_block
     for attempt in range(tries):
         try:
+            if not outer:
+                # Autocommit: each statement is its own transaction and a failed one
+                # poisons nothing, so no BEGIN/COMMIT round trips are spent.
+                return fn()
+            # Inside the caller's transaction: a savepoint, so a refused INSERT
+            # (IntegrityError) leaves the caller's transaction usable.
             with transaction.atomic(using=using):
                 return fn()
         except (DatabaseError, IntegrityError) as exc:

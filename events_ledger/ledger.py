@@ -210,7 +210,8 @@ def record_answer(
             for (kind, ref), holder in sorted(holders.items()):
                 if holder.run_id != run_id:
                     out.rejected.append(f"{kind} {ref!r} is already held by run {holder.run_id}")
-        if out.recorded:
+        if out.recorded and placeholder_id is None:
+            # With a placeholder the run was marked dirty when it was written (W2).
             mark_run_dirty(run_id)
     except Exception as exc:  # bookkeeping must not become the step's control flow
         logger.exception("run %s step %s: recording failed", run_id, step.pk)

@@ -87,7 +87,7 @@ class EventRunQuerySet(models.QuerySet):
             default=Value("incomplete"),
         )
 
-    def settle_cleanup(self, run: Any, max_attempts: int, max_claims: int) -> str:
+    def settle_cleanup(self, run: Any, max_attempts: int, max_claims: int) -> tuple[str, int]:
         """Derive ``cleanup_status`` from the run's rows in the one statement that writes
         it: none unresolved → complete; some still retryable → pending; else incomplete.
 
@@ -98,7 +98,10 @@ class EventRunQuerySet(models.QuerySet):
             cleanup_status=self._derived_cleanup_status(max_attempts, max_claims),
             updated_at=UtcNow(),
         )
-        return self.filter(pk=_pk(run)).values_list("cleanup_status", flat=True).get()
+        # Answers what was written and the unresolved count, read in one statement.
+        return self.filter(pk=_pk(run)).with_unresolved_count().values_list(
+            "cleanup_status", "unresolved_count"
+        ).get()
 
     def repair_cleanup_summaries(self, max_attempts: int, max_claims: int) -> int:
         """Re-derive the summary of terminal runs whose summary disagrees with their rows
@@ -368,14 +371,18 @@ class EventRunResourceQuerySet(models.QuerySet):
         claim = self.claim_group([pk], ttl=ttl)
         return claim.token if claim.rows else None
 
-    def claim_group(self, pks: Iterable[Any], ttl: timedelta | None = None) -> GroupClaim:
+    def claim_group(
+        self, pks: Iterable[Any], ttl: timedelta | None = None, *, released: bool = True
+    ) -> GroupClaim:
         """Claim many rows in a bounded number of statements, one token for all of them.
 
         Each row is claimed by its own compare-and-set inside one UPDATE, so each row
         still has exactly one winner; which rows this caller won is read back by token.
         A released row whose target another run now holds cannot go live again: the
         whole UPDATE fails, so those rows are retried one by one and reported as
-        ``collided`` instead of raising.
+        ``collided`` instead of raising. ``released=False`` says the caller saw none of
+        the rows released (orphaned, drifted) and saves that statement; a row released
+        since is then simply not claimed this time.
         """
         ids = _pks(pks)
         token = new_token()
@@ -395,6 +402,9 @@ class EventRunResourceQuerySet(models.QuerySet):
             using=self.db,
         )
         collided: list[int] = []
+        if not released:
+            won = list(self.filter(claim_token=token, status="reverting").order_by("pk"))
+            return GroupClaim(token=token, rows=won)
         try:
             retrying_deadlocks(
                 lambda: rows.filter(status__in=RELEASED_UNCLEAN).update(**values), using=self.db

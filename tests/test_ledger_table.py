@@ -393,7 +393,7 @@ def test_set_cleanup_status_only_from():  # R (run transitions), W4
 
 def test_settle_derives_the_summary_from_the_rows():  # R, summaries race too
     run = RunFactory(status="completed", cleanup_status="pending")
-    settle = lambda: EventRun.objects.settle_cleanup(run, max_attempts=3, max_claims=5)  # noqa: E731
+    settle = lambda: EventRun.objects.settle_cleanup(run, max_attempts=3, max_claims=5)[0]  # noqa: E731
     assert settle() == "complete"
     row = ResourceFactory(run=run, status="confirmed", revert_attempts=2)
     assert settle() == "pending"
