@@ -28,6 +28,9 @@ serve: venv
 test: venv
 	scripts/test-all
 
+bench: venv
+	scripts/bench-all
+
 clean:
 	-scripts/rig/down
 	rm -rf $(VENV) .rig $(DEMO_DB) .test-db.sqlite3 .test-run.sqlite3

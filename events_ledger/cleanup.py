@@ -13,7 +13,7 @@ from .conf import ledger_settings
 from .db import is_connection_lost
 from .deadline import call_with_deadline
 from .envelopes import Verdict, classify_revert, describe
-from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource
+from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from .registry import default_registry as registry
 
 logger = logging.getLogger("events_ledger")
@@ -77,6 +77,14 @@ def group_rows(rows: Iterable[EventRunResource]) -> list[Group]:
     """C2/C3: a lease row is its own group; other rows are grouped by the step that
     made them, which names the action and the idempotency key. A row whose step is
     gone names its action through its own payload (a placeholder always does)."""
+    rows = list(rows)
+    # The steps' action and key, once per step rather than once per row.
+    steps = dict(
+        (pk, (action_id, key))
+        for pk, action_id, key in EventRunStep.objects.filter(
+            pk__in={r.step_id for r in rows if r.step_id is not None and r.kind != "override"}
+        ).values_list("pk", "action_id", "idempotency_key")
+    ) if any(r.step_id is not None and r.kind != "override" for r in rows) else {}
     leases: list[Group] = []
     by_step: dict[Any, Group] = {}
     for row in rows:
@@ -86,10 +94,10 @@ def group_rows(rows: Iterable[EventRunResource]) -> list[Group]:
         key = ("step", row.step_id) if row.step_id is not None else ("row", row.pk)
         group = by_step.get(key)
         if group is None:
-            step = row.step if row.step_id is not None else None
+            step = steps.get(row.step_id) if row.step_id is not None else None
             payload = row.payload if isinstance(row.payload, dict) else {}
-            action_id = step.action_id if step else payload.get("action")
-            idem = step.idempotency_key if step else (row.ref if row.kind == STEP_KIND else None)
+            action_id = step[0] if step else payload.get("action")
+            idem = step[1] if step else (row.ref if row.kind == STEP_KIND else None)
             group = by_step[key] = Group(rows=[], action_id=action_id, idempotency_key=idem)
             if not action_id:
                 group.problem = "nothing records which action created this resource"
@@ -102,7 +110,7 @@ def _groups_for(run: EventRun, human: bool) -> list[Group]:
         run,
         max_attempts=None if human else ledger_settings.MAX_REVERT_ATTEMPTS,
         max_claims=None if human else ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
-    ).select_related("step")
+    )
     return group_rows(rows)[: ledger_settings.CLEANUP_GROUPS_PER_RUN]
 
 
@@ -233,7 +241,7 @@ def _cleanup(run: EventRun, reset_attempts: bool, actor: str | None, log: _LogBu
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
     for group in _groups_for(run, human=reset_attempts):
         claim = Res.claim_group(
-            [r.pk for r in group.rows],
+            group.rows,
             released=any(r.status in ("orphaned", "drifted") for r in group.rows),
         )
         for pk in claim.collided:
@@ -397,8 +405,7 @@ def reconcile_module(owner: str, *, force: bool = False, max_fraction: float | N
     nothing" must not wipe the ledger.
     """
     summary = ReconcileSummary(owner=owner)
-    rows = [r for r in Res.filter(pk__in=[r.pk for r in Res.live_for_module(owner)]).select_related("step")
-            if r.kind != STEP_KIND]
+    rows = [r for r in Res.live_for_module(owner) if r.kind != STEP_KIND]
     missing: list[tuple[EventRunResource, str]] = []
     for group in group_rows(rows):
         if group.lease_ref:

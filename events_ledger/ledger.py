@@ -81,7 +81,8 @@ def normalise(entry: Any, action_id: str) -> Normalised:
         return _refuse(action_id, f"naming the lease {ref!r}, which no module registers")
     payload = entry.get("payload")
     try:
-        _check_json(payload)
+        if payload is not None:
+            _check_json(payload)
     except (TypeError, ValueError) as exc:
         return _refuse(action_id, f"with a payload that is not JSON ({exc})")
     return Normalised(
@@ -150,7 +151,10 @@ def reserve_step(run: Any, step: EventRunStep, action: Action) -> int | None:
         payload={"action": action.id, "phase": step.phase, "seq": step.seq},
     )
     if answer.ok:
-        mark_run_dirty(run_id)
+        # cleanup_status never returns to not_required, so a run read as already dirty
+        # (or cleaned) needs no UPDATE; an id alone is always marked.
+        if getattr(run, "cleanup_status", "not_required") == "not_required":
+            mark_run_dirty(run_id)
         return answer.id
     existing = (
         EventRunResource.objects.find_by_target(action.owner, STEP_KIND, step.idempotency_key)
@@ -206,7 +210,9 @@ def record_answer(
             out.recorded = _insert_and_confirm(run_id, step, action.owner, list(rows.values()))
             # Held by this run (this step's earlier attempt, or another of its steps):
             # already recorded, skipped silently. Held by another run: said, by its id.
-            holders = EventRunResource.objects.holders(action.owner, rows)
+            # When every target went in, nobody else holds any: no need to ask.
+            skipped = rows if out.recorded < len(rows) else {}
+            holders = EventRunResource.objects.holders(action.owner, skipped)
             for (kind, ref), holder in sorted(holders.items()):
                 if holder.run_id != run_id:
                     out.rejected.append(f"{kind} {ref!r} is already held by run {holder.run_id}")
@@ -230,15 +236,10 @@ def record_answer(
 
 
 def _insert_and_confirm(run_id: int, step: EventRunStep, owner: str, rows: list[dict[str, Any]]) -> int:
-    objs = [
-        EventRunResource(run_id=run_id, step=step, owner_module=owner, status="pending", **row)
-        for row in rows
-    ]
-
     def write() -> int:
         # The unique key decides: a target already held (by this step's earlier attempt,
         # or by anyone) is skipped by the database, never checked first.
-        EventRunResource.objects.bulk_create(objs, ignore_conflicts=True)
+        EventRunResource.objects.bulk_reserve(run_id, step, owner, rows)
         return (
             EventRunResource.objects.filter(step=step, status="pending")
             .exclude(kind=STEP_KIND)

@@ -1,0 +1,359 @@
+"""The operator's console (S3): runs, their ledger and log, the human retry and reconcile."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.utils import unquote
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.formats import date_format
+from django.utils.html import format_html
+
+from .cleanup import Group, RunNotTerminal, cleanup_run, plan_run, reconcile_module
+from .conf import ledger_settings
+from .models import EventRun, EventRunResource
+from .states import UNRESOLVED
+
+logger = logging.getLogger("events_ledger")
+
+Res = EventRunResource.objects
+
+#: Rows and log entries shown on a run's page; the resources changelist has the rest.
+PAGE_LIMIT = 500
+
+
+def pill(value: str) -> str:
+    # Coloured by status in events_ledger/admin/style.html, as the templates' pills are.
+    return format_html('<span class="el-pill el-s-{}">{}</span>', value, value.replace("_", " "))
+
+
+def when(value: datetime | None, fmt: str = "Y-m-d H:i:s") -> str:
+    return date_format(timezone.localtime(value), fmt) if value else "–"
+
+
+def when_cell(value: datetime | None) -> str:
+    # Date and time wrap as two whole lines in a narrow list, never at a hyphen.
+    if value is None:
+        return "–"
+    local = timezone.localtime(value)
+    return format_html('<span class="el-nowrap">{}</span> <span class="el-nowrap">{}</span>',
+                       date_format(local, "Y-m-d"), date_format(local, "H:i:s"))
+
+
+def as_json(value: Any, indent: int | None = None) -> str:
+    """Module payloads and log details as text; templates escape it (never mark_safe)."""
+    return json.dumps(value, cls=DjangoJSONEncoder, sort_keys=True, indent=indent, ensure_ascii=False)
+
+
+def claim_stamp(row: EventRunResource) -> datetime | None:
+    # A `reverting` row's updated_at is its claim's stamp (R5 re-stamps on every claim).
+    return row.updated_at if row.status == "reverting" else None
+
+
+def find_group(row: EventRunResource) -> tuple[Group | None, list[Group]]:
+    """The group of the human retry's plan (`cleanup_runs --dry-run`) holding this row."""
+    plan = plan_run(row.run_id, reset_attempts=True)
+    return next((g for g in plan if any(r.pk == row.pk for r in g.rows)), None), plan
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """"Why is this stuck?" for one ledger row."""
+
+    row: EventRunResource
+    unresolved: bool
+    claim_stale: bool
+    call: str | None
+    problem: str | None
+    note: str
+
+
+def diagnose(row: EventRunResource) -> Diagnosis:
+    unresolved = row.status in UNRESOLVED
+    group, plan = find_group(row) if unresolved else (None, [])
+    since = claim_stamp(row)
+    stale = since is not None and timezone.now() - since > ledger_settings.REVERT_CLAIM_TTL
+    if not unresolved:
+        note = f"Nothing: this row is {row.status}, its target is released."
+    elif group is None:
+        note = (f"Not in the next retry: a pass calls at most {len(plan)} groups "
+                "(CLEANUP_GROUPS_PER_RUN); it comes in a later one.")
+    elif not row.run.is_terminal:
+        note = f"The run is still {row.run.status}: cleanup starts when it ends. It would call:"
+    else:
+        note = "Retry cleanup of its run would reset its attempts and call:"
+    return Diagnosis(row=row, unresolved=unresolved, claim_stale=stale,
+                     call=group.call if group else None, problem=group.problem if group else None,
+                     note=note)
+
+
+class LedgerAdmin(admin.ModelAdmin):
+    """Shared: permission checks for the app's own permissions (declared on EventRun)."""
+
+    def _has_app_perm(self, request: HttpRequest, codename: str) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.{codename}")
+
+    def has_retry_cleanup_permission(self, request: HttpRequest) -> bool:
+        return self._has_app_perm(request, "retry_cleanup")
+
+    def has_reconcile_resources_permission(self, request: HttpRequest) -> bool:
+        return self._has_app_perm(request, "reconcile_resources")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # runs are made by automation, rows by the ledger
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # the console reads; it changes state only through the services
+
+
+# ── runs ──
+
+
+@admin.register(EventRun)
+class EventRunAdmin(LedgerAdmin):
+    list_display = ("id", "run_name", "status_pill", "cleanup_pill", "unresolved", "created", "finished")
+    list_display_links = ("id", "run_name")
+    list_filter = ("status", "cleanup_status")
+    search_fields = ("name", "scope")
+    ordering = ("-id",)
+    # No foreign keys to join: the one per-row number comes from the annotation.
+    list_select_related = False
+    actions = ["retry_cleanup"]
+    fields = (("name", "scope"), ("status_pill", "cleanup_pill", "unresolved"),
+              ("created_at", "started_at", "finished_at", "updated_at"))
+    readonly_fields = ("status_pill", "cleanup_pill", "unresolved")
+    change_form_template = "events_ledger/admin/eventrun_change_form.html"
+    change_list_template = "events_ledger/admin/change_list.html"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[EventRun]:
+        # S3: the count in the same query as the runs, never one query per row.
+        return super().get_queryset(request).with_unresolved_count()
+
+    def has_delete_permission(self, request: HttpRequest, obj: EventRun | None = None) -> bool:
+        # The FK is PROTECT too; here the button is not even offered.
+        if obj is not None and Res.filter(run=obj).exists():
+            return False
+        return super().has_delete_permission(request, obj)
+
+    @admin.display(description="name", ordering="name")
+    def run_name(self, run: EventRun) -> str:
+        # The scope under the name: one column less, so the list fits beside its filters.
+        return format_html('{}<br><span class="el-quiet">{}</span>', run.name, run.scope) if run.scope \
+            else run.name
+
+    @admin.display(description="status", ordering="status")
+    def status_pill(self, run: EventRun) -> str:
+        return pill(run.status)
+
+    @admin.display(description="cleanup", ordering="cleanup_status")
+    def cleanup_pill(self, run: EventRun) -> str:
+        return pill(run.cleanup_status)
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, run: EventRun) -> str:
+        return when_cell(run.created_at)
+
+    @admin.display(description="finished", ordering="finished_at")
+    def finished(self, run: EventRun) -> str:
+        return when_cell(run.finished_at)
+
+    @admin.display(description="unresolved", ordering="unresolved_count")
+    def unresolved(self, run: EventRun) -> str:
+        count = getattr(run, "unresolved_count", None)
+        if count is None:
+            count = Res.unresolved_count(run)
+        if not count:
+            return "0"
+        url = reverse("admin:events_ledger_eventrunresource_changelist")
+        return format_html('<a href="{}?run__id__exact={}&amp;resolution=unresolved">{}</a>',
+                           url, run.pk, count)
+
+    def render_change_form(self, request: HttpRequest, context: dict[str, Any], add: bool = False,
+                           change: bool = False, form_url: str = "", obj: EventRun | None = None
+                           ) -> HttpResponse:
+        if obj is not None:
+            rows = list(Res.for_run(obj)[:PAGE_LIMIT])
+            log = list(obj.log.order_by("-created_at", "-pk")[:PAGE_LIMIT])
+            context.update(
+                steps=obj.steps.all(),
+                ledger=[(r, when(claim_stamp(r)) if r.status == "reverting" else "") for r in rows],
+                ledger_total=Res.filter(run=obj).count(),
+                log=[(e, as_json(e.detail)) for e in log],
+                stuck=list(Res.unresolved_for_run(obj)) if obj.cleanup_status == "incomplete" else [],
+                can_retry=self.has_retry_cleanup_permission(request) and obj.is_terminal,
+                page_limit=PAGE_LIMIT,
+            )
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    # ── the human retry (C4 with reset_attempts) ──
+
+    @admin.action(permissions=["retry_cleanup"], description="Retry cleanup (reset attempts)")
+    def retry_cleanup(self, request: HttpRequest, queryset: QuerySet[EventRun]) -> HttpResponse | None:
+        """Modelled on delete_selected: a confirmation page with the plan, then the retry."""
+        runs = list(queryset.order_by("pk"))
+        if request.POST.get("post"):
+            for run in runs:
+                self._retry_one(request, run)
+            return None  # back to the changelist, with the messages
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Retry cleanup",
+            "subtitle": None,
+            "opts": self.opts,
+            "runs": [(run, plan_run(run, reset_attempts=True) if run.is_terminal else None)
+                     for run in runs],
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "max_attempts": ledger_settings.MAX_REVERT_ATTEMPTS,
+            "media": self.media,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, "events_ledger/admin/retry_cleanup_confirmation.html", context)
+
+    def _retry_one(self, request: HttpRequest, run: EventRun) -> None:
+        try:
+            s = cleanup_run(run, reset_attempts=True, actor=request.user.get_username())
+        except RunNotTerminal as exc:
+            self.message_user(request, f"Refused: {exc}", messages.ERROR)
+            return
+        except Exception as exc:  # one run's failure must not hide the others' results
+            logger.exception("retry of run %s failed", run.pk)
+            self.message_user(request, f"run {run.pk}: the retry failed: {type(exc).__name__}: {exc}",
+                              messages.ERROR)
+            return
+        level = {"complete": messages.SUCCESS, "pending": messages.WARNING}.get(s.cleanup_status,
+                                                                                 messages.ERROR)
+        text = (f"run {run.pk} {run.name}: reverted {s.reverted}, drifted {s.drifted}, failed {s.failed}, "
+                f"remaining {s.remaining} → cleanup {s.cleanup_status}")
+        if s.errors:
+            text += f" ({'; '.join(s.errors[:3])})"
+        self.message_user(request, text, level)
+
+    # ── POST /admin/events_ledger/eventrun/<id>/cleanup/ ──
+
+    def get_urls(self) -> list[Any]:
+        info = self.opts.app_label, self.opts.model_name
+        own = [path("<path:object_id>/cleanup/", self.admin_site.admin_view(self.cleanup_view),
+                    name="%s_%s_cleanup" % info)]
+        return own + super().get_urls()  # before the admin's catch-all <path:object_id>/
+
+    def cleanup_view(self, request: HttpRequest, object_id: str) -> JsonResponse:
+        """One run's manual cleanup, answering JSON. admin_view has already required an
+        active staff user (else a redirect to the login page) and a CSRF token."""
+        if request.method != "POST":
+            return JsonResponse({"ok": False, "error": "POST only"}, status=405, headers={"Allow": "POST"})
+        # Re-checked here: a URL is not an action, nothing filtered it by permission.
+        if not self.has_retry_cleanup_permission(request):
+            return JsonResponse({"ok": False, "error": "permission events_ledger.retry_cleanup required"},
+                                status=403)
+        run = self.get_object(request, unquote(object_id))
+        if run is None:
+            return JsonResponse({"ok": False, "error": f"no run {object_id}"}, status=404)
+        try:
+            summary = cleanup_run(run, reset_attempts=True, actor=request.user.get_username())
+        except RunNotTerminal as exc:
+            return JsonResponse({"ok": False, "run_id": run.pk, "error": str(exc)}, status=409)
+        return JsonResponse({"ok": True, **summary.as_dict()}, encoder=DjangoJSONEncoder)
+
+
+# ── resources ──
+
+
+class ResolutionFilter(admin.SimpleListFilter):
+    title = "resolution"
+    parameter_name = "resolution"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("unresolved", "unresolved (stuck or owed)"), ("released", "released")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "unresolved":
+            return queryset.unresolved()
+        if self.value() == "released":
+            return queryset.exclude(status__in=UNRESOLVED)
+        return queryset
+
+
+@admin.register(EventRunResource)
+class EventRunResourceAdmin(LedgerAdmin):
+    list_display = ("id", "run_link", "owner_module", "kind", "ref", "status_pill", "revert_attempts",
+                    "error", "claimed_since", "updated")
+    list_filter = (ResolutionFilter, "status", "owner_module")
+    list_select_related = ("run",)
+    search_fields = ("ref", "kind", "run__name")
+    ordering = ("-id",)
+    actions = ["reconcile"]
+    fields = (("run", "step"), ("owner_module", "kind", "ref"), ("status", "revert_attempts", "claim_count"),
+              "last_error", ("claim_token", "claimed_since"), ("lease_until", "member_key"),
+              "payload_json", ("created_at", "updated_at"))
+    readonly_fields = ("claimed_since", "payload_json")
+    change_form_template = "events_ledger/admin/eventrunresource_change_form.html"
+    change_list_template = "events_ledger/admin/change_list.html"
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # a ledger row is never deleted by hand: that is losing a resource
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[EventRunResource]:
+        return super().get_queryset(request).select_related("run", "step")
+
+    @admin.display(description="run", ordering="run")
+    def run_link(self, row: EventRunResource) -> str:
+        url = reverse("admin:events_ledger_eventrun_change", args=[row.run_id])
+        return format_html('<a href="{}">{}</a>', url, row.run)
+
+    @admin.display(description="status", ordering="status")
+    def status_pill(self, row: EventRunResource) -> str:
+        return pill(row.status)
+
+    @admin.display(description="last error")
+    def error(self, row: EventRunResource) -> str:
+        text = row.last_error or ""
+        return text if len(text) <= 80 else text[:79] + "…"
+
+    @admin.display(description="claimed since")
+    def claimed_since(self, row: EventRunResource) -> str:
+        stamp = claim_stamp(row)
+        return when_cell(stamp) if stamp else ""
+
+    @admin.display(description="updated", ordering="updated_at")
+    def updated(self, row: EventRunResource) -> str:
+        return when_cell(row.updated_at)
+
+    @admin.display(description="payload")
+    def payload_json(self, row: EventRunResource) -> str:
+        return format_html('<pre class="el-json">{}</pre>', as_json(row.payload, indent=1))
+
+    def render_change_form(self, request: HttpRequest, context: dict[str, Any], add: bool = False,
+                           change: bool = False, form_url: str = "", obj: EventRunResource | None = None
+                           ) -> HttpResponse:
+        if obj is not None:
+            context.update(
+                diagnosis=diagnose(obj),
+                can_retry=self.has_retry_cleanup_permission(request) and obj.run.is_terminal,
+                max_attempts=ledger_settings.MAX_REVERT_ATTEMPTS,
+            )
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    @admin.action(permissions=["reconcile_resources"], description="Reconcile the selected resources' modules")
+    def reconcile(self, request: HttpRequest, queryset: QuerySet[EventRunResource]) -> None:
+        """C6 for each owner module among the selection; never forced from here (the
+        orphan bound holds; `reconcile_resources --force` is the deliberate override)."""
+        owners = sorted(set(queryset.order_by().values_list("owner_module", flat=True).distinct()))
+        for owner in owners:
+            s = reconcile_module(owner)
+            text = (f"{owner}: asked {s.asked}, in force {s.in_force}, orphaned {s.orphaned}, "
+                    f"unanswered {s.unanswered}")
+            if s.held_back:
+                self.message_user(request, f"{text}. Held back: {s.reason}", messages.WARNING)
+            else:
+                self.message_user(request, text, messages.WARNING if s.unanswered else messages.SUCCESS)
