@@ -3,10 +3,13 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+PYTHON312 ?= python3.12
+VENV6 := .venv-django6
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | sha1sum | cut -c1-12)
+STAMP6 := $(VENV6)/.installed-$(shell cat requirements-django6.txt | sha1sum | cut -c1-12)
 DEMO_DB := $(CURDIR)/project/demo.sqlite3
 
-.PHONY: venv demo serve test bench clean
+.PHONY: venv venv6 demo serve test bench clean
 
 venv: $(STAMP)
 
@@ -15,6 +18,15 @@ $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	@rm -f $(VENV)/.installed-* && touch $@
+
+# The newest Django line needs Python 3.12 (the machine's pyenv has it).
+venv6: $(STAMP6)
+
+$(STAMP6): requirements-django6.txt
+	@scripts/sysdeps
+	@test -x $(VENV6)/bin/python || $(PYTHON312) -m venv $(VENV6)
+	$(VENV6)/bin/python -m pip install -q --disable-pip-version-check -r requirements-django6.txt
+	@rm -f $(VENV6)/.installed-* && touch $@
 
 demo: venv
 	@rm -f $(DEMO_DB)
@@ -25,7 +37,7 @@ serve: venv
 	@test -f $(DEMO_DB) || $(MAKE) demo
 	DATABASE_URL=sqlite:///$(DEMO_DB) $(PY) manage.py runserver 127.0.0.1:8000
 
-test: venv
+test: venv venv6
 	scripts/test-all
 
 bench: venv
@@ -33,4 +45,4 @@ bench: venv
 
 clean:
 	-scripts/rig/down
-	rm -rf $(VENV) .rig $(DEMO_DB) .test-db.sqlite3 .test-run.sqlite3
+	rm -rf $(VENV) $(VENV6) .rig $(DEMO_DB) .test-db.sqlite3 .test-run.sqlite3

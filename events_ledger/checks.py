@@ -37,7 +37,9 @@ def check_registrations(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                 )
             )
         if action.reversible == "ledger" and not callable(action.revert):
-            errors.append(Error(f"{where} is 'ledger' but declares no revert().", hint=HINT_REVERT, id=E003))
+            errors.append(
+                Error(f"{where} is 'ledger' but declares no revert().", hint=HINT_REVERT, id=E003)
+            )
         if action.owner != "core" and not callable(action.perform):
             errors.append(Error(f"{where} declares no perform().", id=E005))
     for lease in registry.leases.values():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 from django.db import DatabaseError, connection
@@ -79,12 +80,16 @@ def group_rows(rows: Iterable[EventRunResource]) -> list[Group]:
     gone names its action through its own payload (a placeholder always does)."""
     rows = list(rows)
     # The steps' action and key, once per step rather than once per row.
-    steps = dict(
-        (pk, (action_id, key))
-        for pk, action_id, key in EventRunStep.objects.filter(
-            pk__in={r.step_id for r in rows if r.step_id is not None and r.kind != "override"}
-        ).values_list("pk", "action_id", "idempotency_key")
-    ) if any(r.step_id is not None and r.kind != "override" for r in rows) else {}
+    steps = (
+        dict(
+            (pk, (action_id, key))
+            for pk, action_id, key in EventRunStep.objects.filter(
+                pk__in={r.step_id for r in rows if r.step_id is not None and r.kind != "override"}
+            ).values_list("pk", "action_id", "idempotency_key")
+        )
+        if any(r.step_id is not None and r.kind != "override" for r in rows)
+        else {}
+    )
     leases: list[Group] = []
     by_step: dict[Any, Group] = {}
     for row in rows:
@@ -130,9 +135,13 @@ def _give_back(group: Group, rows: list[EventRunResource]) -> Verdict:
         return _restore_lease(rows[0])
     action = registry.action(group.action_id)
     if action is None:
-        return Verdict("terminal", f"no module registers the action {group.action_id!r}, "
-                                   "so its resources cannot be given back")
-    if not callable(action.revert):
+        return Verdict(
+            "terminal",
+            f"no module registers the action {group.action_id!r}, "
+            "so its resources cannot be given back",
+        )
+    revert = action.revert
+    if not callable(revert):
         return Verdict("terminal", f"{action.id} declares no revert()")
     resources = [
         {"kind": r.kind, "ref": r.ref, "payload": r.payload, "member_key": r.member_key}
@@ -141,7 +150,9 @@ def _give_back(group: Group, rows: list[EventRunResource]) -> Verdict:
     ]
     budget = (action.budget_ms or 0) / 1000 or ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds()
     call = call_with_deadline(
-        lambda: action.revert(run_id=rows[0].run_id, resources=resources, idempotency_key=group.idempotency_key),
+        lambda: revert(
+            run_id=rows[0].run_id, resources=resources, idempotency_key=group.idempotency_key
+        ),
         budget,
         f"{action.id}.revert",
     )
@@ -156,10 +167,17 @@ def _restore_lease(row: EventRunResource) -> Verdict:
         return Verdict("terminal", f"no module registers the lease {row.ref!r}")
     payload = row.payload if isinstance(row.payload, dict) else {}
     lease = found.lease
+    restore = lease.restore
+    if not callable(restore):
+        return Verdict("terminal", f"the lease {lease.id} declares no restore()")
     budget = (lease.budget_ms or 0) / 1000 or ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds()
     call = call_with_deadline(
-        lambda: lease.restore(payload.get("baseline"), expected=payload.get("applied"),
-                              run_id=row.run_id, target=found.target),
+        lambda: restore(
+            payload.get("baseline"),
+            expected=payload.get("applied"),
+            run_id=row.run_id,
+            target=found.target,
+        ),
         budget,
         f"{lease.id}.restore",
     )
@@ -212,7 +230,9 @@ class _LogBuffer:
             self.entries = []
 
 
-def cleanup_run(run: EventRun | int, reset_attempts: bool = False, actor: str | None = None) -> CleanupSummary:
+def cleanup_run(
+    run: EventRun | int, reset_attempts: bool = False, actor: str | None = None
+) -> CleanupSummary:
     """C4: work one terminal run's ledger once.
 
     ``reset_attempts`` is the human's flag (never the sweep's): it zeroes the
@@ -231,7 +251,9 @@ def cleanup_run(run: EventRun | int, reset_attempts: bool = False, actor: str | 
         log.flush()
 
 
-def _cleanup(run: EventRun, reset_attempts: bool, actor: str | None, log: _LogBuffer) -> CleanupSummary:
+def _cleanup(
+    run: EventRun, reset_attempts: bool, actor: str | None, log: _LogBuffer
+) -> CleanupSummary:
     summary = CleanupSummary(run_id=run.pk)
     if reset_attempts:
         summary.reset = Res.reset_attempts(run)
@@ -247,8 +269,10 @@ def _cleanup(run: EventRun, reset_attempts: bool, actor: str | None, log: _LogBu
         for pk in claim.collided:
             holder = Res.note_collision(pk)
             summary.failed += 1
-            log.add("cleanup.collision", {
-                "resource": pk, "held_by_run": holder.run_id if holder else None})
+            log.add(
+                "cleanup.collision",
+                {"resource": pk, "held_by_run": holder.run_id if holder else None},
+            )
         if not claim.rows:
             continue
         rows = claim.rows
@@ -256,9 +280,13 @@ def _cleanup(run: EventRun, reset_attempts: bool, actor: str | None, log: _LogBu
         if poisoned:
             # Claimed this often with no verdict: its revert kills or hangs every
             # sweeper that tries it. Fail it for good rather than loop for ever.
-            error = (f"claimed {max_claims} times without a verdict: giving it back kills or "
-                     "hangs the sweeper, so it was left for a human")
-            written = Res.fail_revert([r.pk for r in poisoned], error, token=claim.token, spent_claims=True)
+            error = (
+                f"claimed {max_claims} times without a verdict: giving it back kills or "
+                "hangs the sweeper, so it was left for a human"
+            )
+            written = Res.fail_revert(
+                [r.pk for r in poisoned], error, token=claim.token, spent_claims=True
+            )
             summary.attempted += len(poisoned)
             summary.failed += written
             _log_verdict(log, group, poisoned, Verdict("terminal", error))
@@ -273,16 +301,30 @@ def _cleanup(run: EventRun, reset_attempts: bool, actor: str | None, log: _LogBu
         run, ledger_settings.MAX_REVERT_ATTEMPTS, max_claims
     )
     if summary.attempted or reset_attempts:
-        log.add("cleanup.swept", {
-            "attempted": summary.attempted, "reverted": summary.reverted, "drifted": summary.drifted,
-            "failed": summary.failed, "remaining": summary.remaining, "fenced": summary.fenced,
-            "cleanup_status": summary.cleanup_status, "by": actor,
-        })
+        log.add(
+            "cleanup.swept",
+            {
+                "attempted": summary.attempted,
+                "reverted": summary.reverted,
+                "drifted": summary.drifted,
+                "failed": summary.failed,
+                "remaining": summary.remaining,
+                "fenced": summary.fenced,
+                "cleanup_status": summary.cleanup_status,
+                "by": actor,
+            },
+        )
     return summary
 
 
-def _apply(log: _LogBuffer, group: Group, rows: list[EventRunResource], verdict: Verdict,
-           token: str, summary: CleanupSummary) -> None:
+def _apply(
+    log: _LogBuffer,
+    group: Group,
+    rows: list[EventRunResource],
+    verdict: Verdict,
+    token: str,
+    summary: CleanupSummary,
+) -> None:
     """Write one verdict over the rows it covers: at most two statements, fenced by the
     claim's token so a sweeper whose stale claim was taken over writes nothing."""
     ids = [r.pk for r in rows]
@@ -293,32 +335,42 @@ def _apply(log: _LogBuffer, group: Group, rows: list[EventRunResource], verdict:
         written = Res.mark_reverted(good, token=token) if good else 0
         summary.reverted += written
         if bad:
-            written_bad = Res.fail_revert(bad, f"{group.what} answered ok but could not give this back",
-                                          token=token)
+            written_bad = Res.fail_revert(
+                bad, f"{group.what} answered ok but could not give this back", token=token
+            )
             summary.failed += written_bad
             written += written_bad
     elif verdict.outcome == "drifted":
         written = Res.fail_revert(ids, verdict.error, "drifted", token=token)
         summary.drifted += written
     else:
-        written = Res.fail_revert(ids, verdict.error, token=token,
-                                  spend_all=verdict.outcome == "terminal")
+        written = Res.fail_revert(
+            ids, verdict.error, token=token, spend_all=verdict.outcome == "terminal"
+        )
         summary.failed += written
         if verdict.error:
             summary.errors.append(verdict.error)
     if written < len(ids):
         summary.fenced += len(ids) - written
-        log.add("cleanup.fenced", {
-            "what": group.what, "resources": len(ids) - written,
-            "reason": "another sweeper took the claim over; this verdict was not written",
-            "verdict": verdict.outcome,
-        })
+        log.add(
+            "cleanup.fenced",
+            {
+                "what": group.what,
+                "resources": len(ids) - written,
+                "reason": "another sweeper took the claim over; this verdict was not written",
+                "verdict": verdict.outcome,
+            },
+        )
     _log_verdict(log, group, rows, verdict)
     summary.groups.append({**group.describe(), "outcome": verdict.outcome, "error": verdict.error})
 
 
-def _log_verdict(log: _LogBuffer, group: Group, rows: list[EventRunResource], verdict: Verdict) -> None:
-    kind = {"done": "cleanup.reverted", "drifted": "cleanup.drifted"}.get(verdict.outcome, "cleanup.failed")
+def _log_verdict(
+    log: _LogBuffer, group: Group, rows: list[EventRunResource], verdict: Verdict
+) -> None:
+    kind = {"done": "cleanup.reverted", "drifted": "cleanup.drifted"}.get(
+        verdict.outcome, "cleanup.failed"
+    )
     detail: dict[str, Any] = {
         "what": group.what,
         "outcome": verdict.outcome,
@@ -353,7 +405,9 @@ def sweep(limit: int | None = None, should_stop: Callable[[], bool] | None = Non
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
     report.repaired = EventRun.objects.repair_cleanup_summaries(max_attempts, max_claims)
-    runs = Res.runs_needing_cleanup(limit or ledger_settings.CLEANUP_RUN_BATCH, max_attempts, max_claims)
+    runs = Res.runs_needing_cleanup(
+        limit or ledger_settings.CLEANUP_RUN_BATCH, max_attempts, max_claims
+    )
     for run in runs:
         if should_stop is not None and should_stop():
             break  # asked to stop: the run in hand is finished, the rest wait
@@ -394,7 +448,9 @@ class ReconcileSummary:
         return asdict(self)
 
 
-def reconcile_module(owner: str, *, force: bool = False, max_fraction: float | None = None) -> ReconcileSummary:
+def reconcile_module(
+    owner: str, *, force: bool = False, max_fraction: float | None = None
+) -> ReconcileSummary:
     """C6: ask a module which of its live rows are still in force.
 
     Rows no longer in force become ``orphaned`` (never ``reverted``: nobody put them
@@ -417,16 +473,22 @@ def reconcile_module(owner: str, *, force: bool = False, max_fraction: float | N
             continue
         resources = [{"kind": r.kind, "ref": r.ref, "payload": r.payload} for r in group.rows]
         call = call_with_deadline(
-            lambda: action.reconcile(run_id=group.rows[0].run_id, resources=resources),
+            partial(action.reconcile, run_id=group.rows[0].run_id, resources=resources),
             (action.budget_ms or 0) / 1000 or ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds(),
             f"{action.id}.reconcile",
         )
         answer = call.value
-        if (call.timed_out or call.error is not None or not isinstance(answer, dict)
-                or answer.get("ok") is not True or not isinstance(answer.get("in_force"), list)):
+        if (
+            call.timed_out
+            or call.error is not None
+            or not isinstance(answer, dict)
+            or answer.get("ok") is not True
+            or not isinstance(answer.get("in_force"), list)
+        ):
             summary.unanswered += len(group.rows)
-            logger.warning("reconcile of %s unanswered: %s", action.id,
-                           call.message or describe(answer))
+            logger.warning(
+                "reconcile of %s unanswered: %s", action.id, call.message or describe(answer)
+            )
             continue
         summary.asked += len(group.rows)
         in_force = {str(ref) for ref in answer["in_force"]}
@@ -436,7 +498,9 @@ def reconcile_module(owner: str, *, force: bool = False, max_fraction: float | N
             else:
                 missing.append((row, action.id))
     summary.would_orphan = len(missing)
-    fraction = ledger_settings.RECONCILE_MAX_ORPHAN_FRACTION if max_fraction is None else max_fraction
+    fraction = (
+        ledger_settings.RECONCILE_MAX_ORPHAN_FRACTION if max_fraction is None else max_fraction
+    )
     if missing and not force and summary.asked and len(missing) > fraction * summary.asked:
         summary.held_back = True
         summary.reason = (
@@ -446,15 +510,22 @@ def reconcile_module(owner: str, *, force: bool = False, max_fraction: float | N
         )
         return summary
     if missing:
-        summary.orphaned = Res.mark_orphaned([r.pk for r, _ in missing],
-                                             "the module reports this is no longer in force")
+        summary.orphaned = Res.mark_orphaned(
+            [r.pk for r, _ in missing], "the module reports this is no longer in force"
+        )
         by_run: dict[int, list[str]] = {}
         for row, _action_id in missing:
             by_run.setdefault(row.run_id, []).append(f"{row.kind}:{row.ref}")
-        EventRunLog.objects.bulk_create([
-            EventRunLog(run_id=run_id, kind="resource.orphaned", detail={"module": owner, "resources": refs})
-            for run_id, refs in by_run.items()
-        ])
+        EventRunLog.objects.bulk_create(
+            [
+                EventRunLog(
+                    run_id=run_id,
+                    kind="resource.orphaned",
+                    detail={"module": owner, "resources": refs},
+                )
+                for run_id, refs in by_run.items()
+            ]
+        )
     return summary
 
 

@@ -85,7 +85,7 @@ def call_with_deadline(fn: Callable[[], Any], budget_s: float, what: str) -> Cal
 
 
 def _abandon(opened: list[tuple[str, str, Any, Any]]) -> None:
-    for alias, vendor, server_id, wrapper in list(opened):
+    for alias, vendor, server_id, _wrapper in list(opened):
         try:
             if vendor == "mysql" and server_id is not None:
                 with connections[alias].cursor() as cursor:
@@ -94,4 +94,6 @@ def _abandon(opened: list[tuple[str, str, Any, Any]]) -> None:
                 with connections[alias].cursor() as cursor:
                     cursor.execute("SELECT pg_terminate_backend(%s)", [int(server_id)])
         except Exception:
-            logger.warning("could not end the connection of an abandoned %s call", alias, exc_info=True)
+            logger.warning(
+                "could not end the connection of an abandoned %s call", alias, exc_info=True
+            )

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import datetime
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime
 from typing import Any
 
-from django.utils.dateparse import parse_datetime
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from .conf import ledger_settings
-from .deadline import call_with_deadline
 from .db import UtcNow, retrying_deadlocks
+from .deadline import call_with_deadline
 from .envelopes import describe, is_success
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from .registry import LEASE_ACTION_ID, Action
@@ -62,7 +61,9 @@ def normalise(entry: Any, action_id: str) -> Normalised:
         # The app's own: a module that could write one could make its own step look resolved.
         return _refuse(action_id, f"of the reserved kind {kind!r}")
     if not ref or len(ref) > MAX_REF:
-        return _refuse(action_id, f"with a bad ref {describe(entry.get('ref'), 80)} (1–{MAX_REF} characters)")
+        return _refuse(
+            action_id, f"with a bad ref {describe(entry.get('ref'), 80)} (1–{MAX_REF} characters)"
+        )
     if "\x00" in kind or "\x00" in ref:
         return _refuse(action_id, "with a NUL character in its kind or ref")
     member_key = entry.get("member_key", entry.get("memberKey"))
@@ -87,7 +88,13 @@ def normalise(entry: Any, action_id: str) -> Normalised:
         return _refuse(action_id, f"with a payload that is not JSON ({exc})")
     return Normalised(
         ok=True,
-        row={"kind": kind, "ref": ref, "payload": payload, "lease_until": lease_until, "member_key": member_key},
+        row={
+            "kind": kind,
+            "ref": ref,
+            "payload": payload,
+            "lease_until": lease_until,
+            "member_key": member_key,
+        },
     )
 
 
@@ -104,10 +111,10 @@ def parse_until(value: Any) -> datetime | None:
     if parsed is None:
         return None
     if timezone.is_naive(parsed):
-        parsed = timezone.make_aware(parsed, dt_timezone.utc)
+        parsed = timezone.make_aware(parsed, UTC)
     try:
         # The databases store years 1–9999 only; a value outside is not a date for us.
-        parsed.astimezone(dt_timezone.utc)
+        parsed.astimezone(UTC)
     except (OverflowError, ValueError):
         return None
     return parsed
@@ -195,7 +202,9 @@ def record_answer(
     run_id = getattr(run, "pk", run)
     entries = resources if isinstance(resources, list) else []
     if resources is not None and not isinstance(resources, list):
-        out.rejected.append(f"{action.id} reported resources that are not a list: {describe(resources, 60)}")
+        out.rejected.append(
+            f"{action.id} reported resources that are not a list: {describe(resources, 60)}"
+        )
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for entry in entries:
         parsed = normalise(entry, action.id)
@@ -235,7 +244,9 @@ def record_answer(
     return out
 
 
-def _insert_and_confirm(run_id: int, step: EventRunStep, owner: str, rows: list[dict[str, Any]]) -> int:
+def _insert_and_confirm(
+    run_id: int, step: EventRunStep, owner: str, rows: list[dict[str, Any]]
+) -> int:
     def write() -> int:
         # The unique key decides: a target already held (by this step's earlier attempt,
         # or by anyone) is skipped by the database, never checked first.
@@ -263,7 +274,7 @@ class StepResult:
     holder_run_id: int | None = None
 
 
-def execute_step(step: EventRunStep | int) -> StepResult:
+def execute_step(step_or_id: EventRunStep | int) -> StepResult:
     """W5: run one step, with everything it changes on the ledger first.
 
     Claims the step (two workers never run one step), writes the placeholder, calls
@@ -271,25 +282,34 @@ def execute_step(step: EventRunStep | int) -> StepResult:
     answer and settles the step. Nothing but ``ok: True`` is success; a lost answer
     (timeout, exception) leaves the placeholder pending for cleanup to revert by key.
     """
-    step_id = getattr(step, "pk", step)
+    step_id = getattr(step_or_id, "pk", step_or_id)
     token = EventRunStep.objects.claim(step_id)
     if token is None:
         return StepResult("busy", error="another worker holds this step")
-    step = EventRunStep.objects.select_related("run").get(pk=step_id)
+    step: EventRunStep = EventRunStep.objects.select_related("run").get(pk=step_id)
     run = step.run
     if run.status in EventRun.TERMINAL:
-        return _settle(step, token, StepResult("failed", error=f"run {run.pk} is {run.status}; not performed"))
+        return _settle(
+            step, token, StepResult("failed", error=f"run {run.pk} is {run.status}; not performed")
+        )
     action = registry.action(step.action_id)
     if action is None:
-        return _settle(step, token, StepResult("failed", error=f"no module registers the action {step.action_id!r}"))
+        return _settle(
+            step,
+            token,
+            StepResult("failed", error=f"no module registers the action {step.action_id!r}"),
+        )
     if action.id == LEASE_ACTION_ID:
         return _settle(step, token, _take_lease(run, step))
     if not callable(action.perform):
-        return _settle(step, token, StepResult("failed", error=f"{action.id} declares no perform()"))
+        return _settle(
+            step, token, StepResult("failed", error=f"{action.id} declares no perform()")
+        )
 
+    perform = action.perform
     placeholder_id = reserve_step(run, step, action)
     call = call_with_deadline(
-        lambda: action.perform(run_id=run.pk, params=step.params, idempotency_key=step.idempotency_key),
+        lambda: perform(run_id=run.pk, params=step.params, idempotency_key=step.idempotency_key),
         action.budget_ms / 1000,
         action.id,
     )
@@ -306,24 +326,36 @@ def _failure(what: str, answer: Any) -> StepResult:
     if not isinstance(answer, dict):
         return StepResult("retry", error=f"{what} answered with no envelope: {describe(answer)}")
     error = answer.get("error")
-    message = str(error) if error not in (None, "") else f"{what} did not confirm: {describe(answer)}"
+    message = (
+        str(error) if error not in (None, "") else f"{what} did not confirm: {describe(answer)}"
+    )
     return StepResult("failed" if answer.get("retry") is False else "retry", error=message)
 
 
 def _settle(step: EventRunStep, token: str, result: StepResult) -> StepResult:
-    status = {"done": "done", "refused": "refused", "failed": "failed"}.get(result.outcome, "pending")
+    status = {"done": "done", "refused": "refused", "failed": "failed"}.get(
+        result.outcome, "pending"
+    )
     if result.outcome == "retry" and step.attempts >= ledger_settings.MAX_STEP_ATTEMPTS:
         status, result.outcome = "failed", "failed"
     error = result.error
     if error is None and result.rejected:
         error = "; ".join(result.rejected)[:2000]
     if not EventRunStep.objects.settle(step, token, status, error):
-        logger.warning("step %s: a newer claim took it over; outcome %s not written", step.pk, result.outcome)
+        logger.warning(
+            "step %s: a newer claim took it over; outcome %s not written", step.pk, result.outcome
+        )
     EventRunLog.objects.write(
         step.run_id,
         f"step.{result.outcome}",
-        {"step": step.pk, "action": step.action_id, "attempt": step.attempts,
-         "recorded": result.recorded, "rejected": result.rejected, "error": result.error},
+        {
+            "step": step.pk,
+            "action": step.action_id,
+            "attempt": step.attempts,
+            "recorded": result.recorded,
+            "rejected": result.rejected,
+            "error": result.error,
+        },
     )
     return result
 
@@ -339,29 +371,48 @@ def _take_lease(run: EventRun, step: EventRunStep) -> StepResult:
     if len(ref) > MAX_REF:
         return StepResult("failed", error=f"the lease ref is over {MAX_REF} characters")
     lease, target = found.lease, found.target
+    read_value, apply_value = lease.read, lease.apply
+    if not callable(read_value) or not callable(apply_value):
+        return StepResult("failed", error=f"the lease {lease.id} declares no read() or apply()")
     until = params.get("until")
     lease_until = parse_until(until) if until is not None else None
     if until is not None and lease_until is None:
         return StepResult("failed", error=f"the lease's until {describe(until, 60)} is not a date")
-    budget = (lease.budget_ms / 1000) if lease.budget_ms else ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds()
+    budget = (
+        (lease.budget_ms / 1000)
+        if lease.budget_ms
+        else ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds()
+    )
     value = params.get("value")
 
-    held = EventRunResource.objects.filter(
-        run=run, step=step, kind="override", ref=ref, status__in=("pending", "confirmed")
-    ).values_list("pk", "status").first()
+    held = (
+        EventRunResource.objects.filter(
+            run=run, step=step, kind="override", ref=ref, status__in=("pending", "confirmed")
+        )
+        .values_list("pk", "status")
+        .first()
+    )
     if held is None:
-        read = call_with_deadline(lambda: lease.read(target=target), budget, f"{lease.id}.read")
+        read = call_with_deadline(lambda: read_value(target=target), budget, f"{lease.id}.read")
         if read.timed_out or read.error is not None:
             return StepResult("retry", error=read.message)
         answer = EventRunResource.objects.reserve(
-            run, step, owner=lease.owner, kind="override", ref=ref,
-            payload={"baseline": read.value, "applied": value}, lease_until=lease_until,
+            run,
+            step,
+            owner=lease.owner,
+            kind="override",
+            ref=ref,
+            payload={"baseline": read.value, "applied": value},
+            lease_until=lease_until,
         )
         if not answer.ok:
             holder = answer.holder
             who = f"run {holder.run_id}" if holder else "another run"
-            return StepResult("refused", error=f"{ref} is held by {who}",
-                              holder_run_id=holder.run_id if holder else None)
+            return StepResult(
+                "refused",
+                error=f"{ref} is held by {who}",
+                holder_run_id=holder.run_id if holder else None,
+            )
         row_id, row_status = answer.id, "pending"
         mark_run_dirty(run)
     else:
@@ -371,7 +422,7 @@ def _take_lease(run: EventRun, step: EventRunStep) -> StepResult:
     if row_status == "confirmed":
         return StepResult("done", recorded=0)
     applied = call_with_deadline(
-        lambda: lease.apply(value, target=target, run_id=run.pk), budget, f"{lease.id}.apply"
+        lambda: apply_value(value, target=target, run_id=run.pk), budget, f"{lease.id}.apply"
     )
     if applied.timed_out or applied.error is not None:
         return StepResult("retry", error=applied.message)

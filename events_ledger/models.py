@@ -10,14 +10,13 @@ from django.db.models import Case, Q, Value, When
 from django.utils import timezone
 
 from .db import KeyCharField
-from .states import HELD, LIVE, RUN_TERMINAL, STEP_KIND, UNRESOLVED
 from .querysets import (  # noqa: I001
     EventRunLogManager,
     EventRunQuerySet,
     EventRunResourceQuerySet,
     EventRunStepQuerySet,
 )
-
+from .states import HELD, LIVE, RUN_TERMINAL, STEP_KIND, UNRESOLVED
 
 
 def mint_idempotency_key() -> str:
@@ -203,6 +202,13 @@ class EventRunLog(models.Model):
 
 
 __all__ = [
-    "HELD", "LIVE", "STEP_KIND", "UNRESOLVED",
-    "EventRun", "EventRunLog", "EventRunResource", "EventRunStep", "mint_idempotency_key",
+    "HELD",
+    "LIVE",
+    "STEP_KIND",
+    "UNRESOLVED",
+    "EventRun",
+    "EventRunLog",
+    "EventRunResource",
+    "EventRunStep",
+    "mint_idempotency_key",
 ]

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from django.db import IntegrityError, models, transaction
+from django.db import IntegrityError, models
 from django.db.models import Case, Count, Exists, F, OuterRef, Q, Value, When
 from django.db.models.functions import Greatest
 
@@ -100,9 +101,12 @@ class EventRunQuerySet(models.QuerySet):
             updated_at=UtcNow(),
         )
         # Answers what was written and the unresolved count, read in one statement.
-        return self.filter(pk=_pk(run)).with_unresolved_count().values_list(
-            "cleanup_status", "unresolved_count"
-        ).get()
+        return (
+            self.filter(pk=_pk(run))
+            .with_unresolved_count()
+            .values_list("cleanup_status", "unresolved_count")
+            .get()
+        )
 
     def repair_cleanup_summaries(self, max_attempts: int, max_claims: int) -> int:
         """Re-derive the summary of terminal runs whose summary disagrees with their rows
@@ -166,9 +170,7 @@ class EventRunStepQuerySet(models.QuerySet):
         """Write a step's outcome, only while the caller's claim is still the current one."""
         values: dict[str, Any] = {"status": status, "updated_at": UtcNow()}
         values["last_error"] = None if error is None else str(error)[:2000]
-        return (
-            self.filter(pk=_pk(step), claim_token=token, status="running").update(**values) == 1
-        )
+        return self.filter(pk=_pk(step), claim_token=token, status="running").update(**values) == 1
 
 
 # ── the ledger ────────────────────────────────────────────────────────────────
@@ -215,7 +217,9 @@ class EventRunResourceQuerySet(models.QuerySet):
     def unresolved(self) -> EventRunResourceQuerySet:
         return self.filter(status__in=UNRESOLVED)
 
-    def retryable(self, max_attempts: int, max_claims: int | None = None) -> EventRunResourceQuerySet:
+    def retryable(
+        self, max_attempts: int, max_claims: int | None = None
+    ) -> EventRunResourceQuerySet:
         """Unresolved rows the automatic sweep will still try (rule 2's bound)."""
         qs = self.unresolved().filter(revert_attempts__lt=max_attempts)
         if max_claims is not None:
@@ -271,7 +275,9 @@ class EventRunResourceQuerySet(models.QuerySet):
             # The holder let go between our insert and the look-up: try again.
         return Reservation(ok=False, code="held", holder=None)
 
-    def bulk_reserve(self, run: Any, step: Any, owner: str, rows: list[Mapping[str, Any]]) -> None:
+    def bulk_reserve(
+        self, run: Any, step: Any, owner: str, rows: Sequence[Mapping[str, Any]]
+    ) -> None:
         """Insert many ``pending`` rows in one statement (per few hundred rows), letting the
         unique key skip every target that is already held, by anyone.
 
@@ -289,8 +295,21 @@ class EventRunResourceQuerySet(models.QuerySet):
         conn = connections[self.db]
         ops = conn.ops
         table = ops.quote_name(self.model._meta.db_table)
-        columns = ("run_id", "step_id", "owner_module", "kind", "ref", "payload", "lease_until",
-                   "member_key", "status", "revert_attempts", "claim_count", "created_at", "updated_at")
+        columns = (
+            "run_id",
+            "step_id",
+            "owner_module",
+            "kind",
+            "ref",
+            "payload",
+            "lease_until",
+            "member_key",
+            "status",
+            "revert_attempts",
+            "claim_count",
+            "created_at",
+            "updated_at",
+        )
         now = ops.adapt_datetimefield_value(timezone.now())
         # What every row shares is bound once per row as SQL literals the app made
         # itself (whole numbers, a fixed status); only the module's values are escaped.
@@ -300,12 +319,17 @@ class EventRunResourceQuerySet(models.QuerySet):
         for row in rows:
             payload = row.get("payload")
             lease_until = row.get("lease_until")
-            values.append((
-                owner, row["kind"], row["ref"],
-                None if payload is None else json.dumps(payload, cls=DjangoJSONEncoder),
-                None if lease_until is None else ops.adapt_datetimefield_value(lease_until),
-                row.get("member_key"), now,
-            ))
+            values.append(
+                (
+                    owner,
+                    row["kind"],
+                    row["ref"],
+                    None if payload is None else json.dumps(payload, cls=DjangoJSONEncoder),
+                    None if lease_until is None else ops.adapt_datetimefield_value(lease_until),
+                    row.get("member_key"),
+                    now,
+                )
+            )
         if conn.vendor == "mysql":
             head, tail = "INSERT IGNORE INTO", ""
         elif conn.vendor == "sqlite":
@@ -331,7 +355,9 @@ class EventRunResourceQuerySet(models.QuerySet):
         )
         return Holder(run_id=found[0], status=found[1]) if found else None
 
-    def holders(self, owner: str, targets: Iterable[tuple[str, str]]) -> dict[tuple[str, str], Holder]:
+    def holders(
+        self, owner: str, targets: Iterable[tuple[str, str]]
+    ) -> dict[tuple[str, str], Holder]:
         """The holders of many ``(kind, ref)`` targets of one module, in one query."""
         targets = set(targets)
         if not targets:
@@ -443,8 +469,11 @@ class EventRunResourceQuerySet(models.QuerySet):
             return GroupClaim(token=token)
         # Rows the caller already read are reused, with the claim's fresh fields: reading
         # back only ids and counters is far cheaper than building the rows again.
-        known = {o.pk: o for o in (pks if isinstance(pks, (list, tuple)) else [])
-                 if isinstance(o, self.model)}
+        known = {
+            o.pk: o
+            for o in (pks if isinstance(pks, (list, tuple)) else [])
+            if isinstance(o, self.model)
+        }
         ttl = ttl or ledger_settings.REVERT_CLAIM_TTL
         values = {
             "status": "reverting",
@@ -469,13 +498,9 @@ class EventRunResourceQuerySet(models.QuerySet):
             if not is_unique_violation(exc):
                 raise
             for pk in ids:
+                one = self.filter(pk=pk, status__in=RELEASED_UNCLEAN)
                 try:
-                    retrying_deadlocks(
-                        lambda pk=pk: self.filter(pk=pk, status__in=RELEASED_UNCLEAN).update(
-                            **values
-                        ),
-                        using=self.db,
-                    )
+                    retrying_deadlocks(partial(one.update, **values), using=self.db)
                 except IntegrityError as row_exc:
                     if not is_unique_violation(row_exc):
                         raise
@@ -495,7 +520,11 @@ class EventRunResourceQuerySet(models.QuerySet):
         for pk, claim_count, updated_at in won:
             row = known[pk]
             row.status, row.claim_token, row.claim_count, row.updated_at = (
-                "reverting", token, claim_count, updated_at)
+                "reverting",
+                token,
+                claim_count,
+                updated_at,
+            )
             rows.append(row)
         return rows
 
@@ -551,7 +580,9 @@ class EventRunResourceQuerySet(models.QuerySet):
         ``MAX_REVERT_ATTEMPTS`` identical failures.
         """
         if restore_to not in ("confirmed", "drifted", "orphaned"):
-            raise ValueError(f"restore_to must be confirmed, drifted or orphaned, not {restore_to!r}")
+            raise ValueError(
+                f"restore_to must be confirmed, drifted or orphaned, not {restore_to!r}"
+            )
         values: dict[str, Any] = {
             "status": restore_to,
             "revert_attempts": (
@@ -576,9 +607,7 @@ class EventRunResourceQuerySet(models.QuerySet):
             .update(
                 revert_attempts=0,
                 claim_count=0,
-                updated_at=Case(
-                    When(status="reverting", then=F("updated_at")), default=UtcNow()
-                ),
+                updated_at=Case(When(status="reverting", then=F("updated_at")), default=UtcNow()),
             )
         )
 

@@ -103,7 +103,9 @@ class Registry:
         if lease.id in self.leases:
             raise AlreadyRegistered(f"the lease {lease.id!r} is already registered")
         if "#" in lease.id:
-            raise ValueError(f"a lease id cannot contain '#': {lease.id!r} (it separates the target)")
+            raise ValueError(
+                f"a lease id cannot contain '#': {lease.id!r} (it separates the target)"
+            )
         self.leases[lease.id] = lease
         return lease
 
@@ -201,6 +203,10 @@ def _register_core() -> None:
         # Executed by the ledger itself (W6): it has no perform of its own, and its
         # rows are given back through the lease registry.
         default_registry.register_action(
-            Action(id=LEASE_ACTION_ID, owner="core", reversible="override",
-                   description="borrow a value through a registered lease")
+            Action(
+                id=LEASE_ACTION_ID,
+                owner="core",
+                reversible="override",
+                description="borrow a value through a registered lease",
+            )
         )

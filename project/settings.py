@@ -78,7 +78,9 @@ USE_TZ = True
 STATIC_URL = "static/"
 
 EVENTS_LEDGER = {
-    "REVERT_CLAIM_TTL": timedelta(milliseconds=env.int("EVENT_REVERT_CLAIM_TTL_MS", default=15 * 60 * 1000)),
+    "REVERT_CLAIM_TTL": timedelta(
+        milliseconds=env.int("EVENT_REVERT_CLAIM_TTL_MS", default=15 * 60 * 1000)
+    ),
     "MAX_REVERT_ATTEMPTS": env.int("EVENT_REVERT_MAX_ATTEMPTS", default=3),
     "CLEANUP_RUN_BATCH": env.int("EVENT_CLEANUP_RUN_BATCH", default=10),
     "CLEANUP_GROUPS_PER_RUN": env.int("EVENT_CLEANUP_GROUPS_PER_RUN", default=25),
@@ -88,5 +90,10 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"events_ledger": {"handlers": ["console"], "level": env("LEDGER_LOG_LEVEL", default="WARNING")}},
+    "loggers": {
+        "events_ledger": {
+            "handlers": ["console"],
+            "level": env("LEDGER_LOG_LEVEL", default="WARNING"),
+        }
+    },
 }

@@ -11,7 +11,9 @@ def new_run(name: str = "run", status: str = "running", **kw: Any) -> EventRun:
     return EventRun.objects.create(name=name, status=status, **kw)
 
 
-def new_step(run: EventRun, action_id: str, params: dict[str, Any] | None = None, seq: int = 0) -> EventRunStep:
+def new_step(
+    run: EventRun, action_id: str, params: dict[str, Any] | None = None, seq: int = 0
+) -> EventRunStep:
     return EventRunStep.objects.create(run=run, action_id=action_id, params=params or {}, seq=seq)
 
 
@@ -19,5 +21,9 @@ def spawn_step(run: EventRun, region: str = "north", count: int = 3, seq: int = 
     return new_step(run, "world.spawn", {"region": region, "count": count, "kind": "wolf"}, seq)
 
 
-def lease_step(run: EventRun, region: str = "north", value: int = 5, seq: int = 0, **extra: Any) -> EventRunStep:
-    return new_step(run, "core.lease", {"lease": f"world.spawn_rate#{region}", "value": value, **extra}, seq)
+def lease_step(
+    run: EventRun, region: str = "north", value: int = 5, seq: int = 0, **extra: Any
+) -> EventRunStep:
+    return new_step(
+        run, "core.lease", {"lease": f"world.spawn_rate#{region}", "value": value, **extra}, seq
+    )

@@ -33,7 +33,9 @@ def task_reserve(run_id: int, refs: list[str], seed: int) -> dict[str, Any]:
     return out
 
 
-def task_claim(ids: list[int], seed: int, ttl_s: float | None = None, group: int = 1) -> dict[str, Any]:
+def task_claim(
+    ids: list[int], seed: int, ttl_s: float | None = None, group: int = 1
+) -> dict[str, Any]:
     from datetime import timedelta
 
     from events_ledger.models import EventRunResource
@@ -57,8 +59,6 @@ def task_verdict(ids: list[int], token: str) -> dict[str, Any]:
 
 
 TASKS = {"reserve": task_reserve, "claim": task_claim, "verdict": task_verdict}
-
-
 
 
 def task_cleanup(run_id: int) -> dict[str, Any]:

@@ -43,15 +43,24 @@ def command(*args):
 
 
 def manage(*args, timeout=60):
-    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_one_sweep_with_a_line_per_run(world):  # S1, C5
     run = finished_run()
     code, out, _ = command("cleanup_runs")
     assert code == 0
-    assert f"run {run.pk}: attempted 2, reverted 2, drifted 0, failed 0, remaining 0 -> complete" in out
+    assert (
+        f"run {run.pk}: attempted 2, reverted 2, drifted 0, failed 0, remaining 0 -> complete"
+        in out
+    )
     assert Creature.objects.count() == 0
 
 
@@ -68,7 +77,11 @@ def test_json_output(world):  # S1
     run = finished_run()
     code, out, _ = command("cleanup_runs", "--json")
     doc = json.loads(out)
-    assert code == 0 and doc["runs"][0]["run_id"] == run.pk and doc["runs"][0]["cleanup_status"] == "complete"
+    assert (
+        code == 0
+        and doc["runs"][0]["run_id"] == run.pk
+        and doc["runs"][0]["cleanup_status"] == "complete"
+    )
 
 
 def test_dry_run_lists_the_plan_and_writes_nothing(world):  # S1
@@ -79,7 +92,10 @@ def test_dry_run_lists_the_plan_and_writes_nothing(world):  # S1
     assert code == 0
     assert f"run {run.pk}" in out and f"world.spawn.revert(key={step.idempotency_key}" in out
     assert all(f"creature:{s}" in out for s in Creature.objects.values_list("serial", flat=True))
-    assert list(Res.filter(run=run).values_list("pk", "status", "revert_attempts", "updated_at")) == before
+    assert (
+        list(Res.filter(run=run).values_list("pk", "status", "revert_attempts", "updated_at"))
+        == before
+    )
     assert Creature.objects.count() == 2
     doc = json.loads(command("cleanup_runs", "--dry-run", "--json")[1])
     assert doc["dry_run"] and doc["runs"][str(run.pk)][0]["call"] == "revert"
@@ -90,7 +106,9 @@ def test_the_human_retry_is_logged_with_its_actor(world):  # S1, C4, rule 2
     Res.filter(run=run).update(revert_attempts=3)
     EventRun.objects.filter(pk=run.pk).update(cleanup_status="incomplete")
     assert "nothing to give back" in command("cleanup_runs")[1]
-    code, out, _ = command("cleanup_runs", "--run", str(run.pk), "--reset-attempts", "--actor", "alice")
+    code, out, _ = command(
+        "cleanup_runs", "--run", str(run.pk), "--reset-attempts", "--actor", "alice"
+    )
     assert code == 0 and "-> complete" in out
     assert EventRunLog.objects.get(run=run, kind="cleanup.retry").detail["by"] == "alice"
 
@@ -117,9 +135,16 @@ def test_exit_statuses_a_cron_monitor_reads(world):  # S1
 @pytest.mark.slow
 def test_loop_sweeps_until_sigterm(world):  # S1
     first = finished_run()
-    proc = subprocess.Popen([sys.executable, "manage.py", "cleanup_runs", "--loop", "0.2"], cwd=ROOT,
-                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "manage.py", "cleanup_runs", "--loop", "0.2"],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
+
         def wait_complete(run):
             deadline = time.monotonic() + 60
             while EventRun.objects.get(pk=run.pk).cleanup_status != "complete":

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 from django.db import IntegrityError, connection, transaction
 
-from events_ledger.models import EventRun, EventRunLog, EventRunResource, STEP_KIND
+from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource
 from events_ledger.querysets import Holder
 from tests.conftest import age_rows
 from tests.factories import ResourceFactory, RunFactory, StepFactory
@@ -26,8 +26,14 @@ def reserve(run, ref="a", kind="thing", owner="test", **kw):
 
 def test_live_marker_is_one_while_held_and_null_once_released():  # R0
     row = ResourceFactory(status="pending")
-    for status, marker in [("pending", 1), ("confirmed", 1), ("reverting", 1),
-                           ("reverted", None), ("orphaned", None), ("drifted", None)]:
+    for status, marker in [
+        ("pending", 1),
+        ("confirmed", 1),
+        ("reverting", 1),
+        ("reverted", None),
+        ("orphaned", None),
+        ("drifted", None),
+    ]:
         Res.filter(pk=row.pk).update(status=status)
         assert Res.values_list("live_marker", flat=True).get(pk=row.pk) == marker, status
 
@@ -62,7 +68,12 @@ def test_unique_constraint_lives_in_the_schema():  # R0
             cursor, EventRunResource._meta.db_table
         )
     assert constraints["uq_evres_target"]["unique"]
-    assert constraints["uq_evres_target"]["columns"] == ["owner_module", "kind", "ref", "live_marker"]
+    assert constraints["uq_evres_target"]["columns"] == [
+        "owner_module",
+        "kind",
+        "ref",
+        "live_marker",
+    ]
 
 
 # ── R1 ──
@@ -74,7 +85,12 @@ def test_reserve_inserts_a_pending_row_and_answers_its_id():  # R1
     answer = reserve(run, step=step, payload={"n": 1}, member_key="m")
     assert answer.ok and answer.code is None
     row = Res.get(pk=answer.id)
-    assert (row.status, row.step_id, row.payload, row.member_key) == ("pending", step.pk, {"n": 1}, "m")
+    assert (row.status, row.step_id, row.payload, row.member_key) == (
+        "pending",
+        step.pk,
+        {"n": 1},
+        "m",
+    )
 
 
 def test_reserve_of_a_held_target_is_refused_naming_the_holder():  # R1
@@ -111,7 +127,12 @@ def test_confirm_moves_pending_to_confirmed_setting_only_given_fields():  # R2
     row_id = reserve(run, payload={"a": 1}, member_key="k").id
     assert Res.confirm(row_id, payload={"b": 2})
     row = Res.get(pk=row_id)
-    assert (row.status, row.payload, row.member_key, row.lease_until) == ("confirmed", {"b": 2}, "k", None)
+    assert (row.status, row.payload, row.member_key, row.lease_until) == (
+        "confirmed",
+        {"b": 2},
+        "k",
+        None,
+    )
 
 
 def test_confirm_never_unreverts_a_row():  # R2
@@ -328,7 +349,10 @@ def test_reset_attempts_keeps_a_claims_stamp():  # R8, R5
 
 
 def test_live_for_module_and_modules_with_live_rows():  # R9
-    rows = [ResourceFactory(owner_module="m1", status=s) for s in ("pending", "confirmed", "reverting", "reverted")]
+    rows = [
+        ResourceFactory(owner_module="m1", status=s)
+        for s in ("pending", "confirmed", "reverting", "reverted")
+    ]
     ResourceFactory(owner_module="m2", status="confirmed")
     ResourceFactory(owner_module="m3", status="orphaned")
     assert Res.live_for_module("m1") == rows[:2]
@@ -336,8 +360,16 @@ def test_live_for_module_and_modules_with_live_rows():  # R9
     assert Res.modules_with_live_rows() == ["m1", "m2"]
 
 
-@pytest.mark.parametrize("status,moves", [("pending", True), ("confirmed", True), ("reverting", True),
-                                          ("reverted", False), ("drifted", False)])
+@pytest.mark.parametrize(
+    "status,moves",
+    [
+        ("pending", True),
+        ("confirmed", True),
+        ("reverting", True),
+        ("reverted", False),
+        ("drifted", False),
+    ],
+)
 def test_mark_orphaned_only_from_held(status, moves):  # R10
     row = ResourceFactory(status=status)
     assert Res.mark_orphaned(row.pk, "gone") == int(moves)

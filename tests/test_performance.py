@@ -32,8 +32,19 @@ def test_an_idle_sweep_costs_the_same_over_5_and_50_historical_rows():  # C5, fl
 @pytest.mark.django_db(transaction=True)
 def test_ledger_bench_runs_and_cleans_up_after_itself():  # bench
     out = StringIO()
-    call_command("ledger_bench", "--runs", "2", "--steps", "2", "--per-step", "5", "--history", "200,20000",
-                 "--json", stdout=out)
+    call_command(
+        "ledger_bench",
+        "--runs",
+        "2",
+        "--steps",
+        "2",
+        "--per-step",
+        "5",
+        "--history",
+        "200,20000",
+        "--json",
+        stdout=out,
+    )
     doc = json.loads(out.getvalue())
     assert doc["ledger"]["recording"]["resources"] == 20
     assert doc["per_row"]["recording"]["statements_per_resource"] == 2.0

@@ -17,9 +17,13 @@ def test_registering_an_id_twice_raises(isolated_registry):  # S5
     register_action(Action(id="t.a", owner="t", perform=lambda **kw: {"ok": True}))
     with pytest.raises(AlreadyRegistered):
         register_action(Action(id="t.a", owner="t", perform=lambda **kw: {"ok": True}))
-    isolated_registry.register_lease(Lease(id="t.rate", owner="t", read=int, apply=int, restore=int))
+    isolated_registry.register_lease(
+        Lease(id="t.rate", owner="t", read=int, apply=int, restore=int)
+    )
     with pytest.raises(AlreadyRegistered):
-        isolated_registry.register_lease(Lease(id="t.rate", owner="t", read=int, apply=int, restore=int))
+        isolated_registry.register_lease(
+            Lease(id="t.rate", owner="t", read=int, apply=int, restore=int)
+        )
 
 
 def test_unregister_and_isolation(isolated_registry):  # S5
@@ -61,8 +65,14 @@ def test_the_shipped_registrations_pass_the_checks():  # S5
 @pytest.mark.parametrize(
     "action,expected",
     [
-        (Action(id="t.c", owner="t", reversible="sometimes", perform=lambda **kw: None), ["events_ledger.E002"]),
-        (Action(id="t.c", owner="t", reversible="ledger", perform=lambda **kw: None), ["events_ledger.E003"]),
+        (
+            Action(id="t.c", owner="t", reversible="sometimes", perform=lambda **kw: None),
+            ["events_ledger.E002"],
+        ),
+        (
+            Action(id="t.c", owner="t", reversible="ledger", perform=lambda **kw: None),
+            ["events_ledger.E003"],
+        ),
         (Action(id="t.c", owner="t", reversible="none"), ["events_ledger.E005"]),
     ],
 )
@@ -76,7 +86,9 @@ def test_checks_report_a_lease_without_restore(isolated_registry):  # S5
     assert ids(check_registrations()) == ["events_ledger.E004"]
 
 
-def test_a_duplicate_in_a_host_apps_module_is_a_check_error(isolated_registry, tmp_path, monkeypatch):  # S5
+def test_a_duplicate_in_a_host_apps_module_is_a_check_error(
+    isolated_registry, tmp_path, monkeypatch
+):  # S5
     import sys
 
     from django.apps import apps

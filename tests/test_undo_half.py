@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from events_ledger import Action, Lease
+from events_ledger import Action
 from events_ledger.cleanup import (
     RunNotTerminal,
     cleanup_run,
@@ -88,7 +88,9 @@ def _spawned_run(world, status="completed", regions=("north", "south"), lease=Tr
 def test_every_terminal_path_restores_the_world(world, status):  # C4, C5
     before = world.snapshot()
     run = _spawned_run(world, status)
-    assert Creature.objects.count() == 4 and RegionSetting.objects.get(region="north").spawn_rate == 5
+    assert (
+        Creature.objects.count() == 4 and RegionSetting.objects.get(region="north").spawn_rate == 5
+    )
     report = sweep()
     assert [s.run_id for s in report.runs] == [run.pk]
     summary = report.runs[0]
@@ -129,14 +131,27 @@ def test_a_lost_spawn_is_reverted_by_its_idempotency_key(world):  # C3, rule 1
 @world_db
 def test_placeholder_rows_are_not_in_the_revert_list(world, isolated_registry):  # C3
     seen = []
-    isolated_registry.register_action(Action(
-        id="t.make", owner="t", reversible="ledger", perform=lambda **kw: None,
-        revert=lambda **kw: seen.append(kw) or {"ok": True}))
+    isolated_registry.register_action(
+        Action(
+            id="t.make",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=lambda **kw: seen.append(kw) or {"ok": True},
+        )
+    )
     run = RunFactory(status="completed", cleanup_status="pending")
     from tests.helpers import new_step as ns
 
     step = ns(run, "t.make")
-    ResourceFactory(run=run, step=step, owner_module="t", kind=STEP_KIND, ref=step.idempotency_key, status="pending")
+    ResourceFactory(
+        run=run,
+        step=step,
+        owner_module="t",
+        kind=STEP_KIND,
+        ref=step.idempotency_key,
+        status="pending",
+    )
     ResourceFactory(run=run, step=step, owner_module="t", kind="thing", ref="a")
     ResourceFactory(run=run, step=step, owner_module="t", kind="thing", ref="b")
     assert cleanup_run(run).reverted == 3
@@ -148,11 +163,19 @@ def test_placeholder_rows_are_not_in_the_revert_list(world, isolated_registry): 
 @pytest.mark.django_db
 def test_a_row_whose_step_is_gone_names_its_action_through_its_payload(isolated_registry):  # C3
     seen = []
-    isolated_registry.register_action(Action(
-        id="t.make", owner="t", reversible="ledger", perform=lambda **kw: None,
-        revert=lambda **kw: seen.append(kw) or {"ok": True}))
+    isolated_registry.register_action(
+        Action(
+            id="t.make",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=lambda **kw: seen.append(kw) or {"ok": True},
+        )
+    )
     run = RunFactory(status="completed")
-    ResourceFactory(run=run, owner_module="t", kind=STEP_KIND, ref="key-9", payload={"action": "t.make"})
+    ResourceFactory(
+        run=run, owner_module="t", kind=STEP_KIND, ref="key-9", payload={"action": "t.make"}
+    )
     orphan = ResourceFactory(run=run, owner_module="t", kind="thing", ref="a", payload={"hp": 1})
     summary = cleanup_run(run)
     assert summary.reverted == 1 and seen[0]["idempotency_key"] == "key-9"
@@ -165,14 +188,21 @@ def test_a_row_whose_step_is_gone_names_its_action_through_its_payload(isolated_
     "action,message",
     [
         (None, "no module registers the action"),
-        (Action(id="t.make", owner="t", reversible="ledger", perform=lambda **kw: None), "declares no revert"),
+        (
+            Action(id="t.make", owner="t", reversible="ledger", perform=lambda **kw: None),
+            "declares no revert",
+        ),
     ],
 )
-def test_unknown_action_or_no_revert_is_terminal(isolated_registry, action, message, settings):  # C3
+def test_unknown_action_or_no_revert_is_terminal(
+    isolated_registry, action, message, settings
+):  # C3
     if action:
         isolated_registry.register_action(action)
     run = RunFactory(status="completed")
-    row = ResourceFactory(run=run, owner_module="t", kind=STEP_KIND, ref="k", payload={"action": "t.make"})
+    row = ResourceFactory(
+        run=run, owner_module="t", kind=STEP_KIND, ref="k", payload={"action": "t.make"}
+    )
     summary = cleanup_run(run)
     row.refresh_from_db()
     assert message in row.last_error
@@ -183,8 +213,13 @@ def test_unknown_action_or_no_revert_is_terminal(isolated_registry, action, mess
 @pytest.mark.django_db
 def test_a_lease_no_module_registers_is_terminal_with_that_reason():  # C2
     run = RunFactory(status="completed")
-    row = ResourceFactory(run=run, owner_module="gone", kind="override", ref="gone.rate#x",
-                          payload={"baseline": 1, "applied": 2})
+    row = ResourceFactory(
+        run=run,
+        owner_module="gone",
+        kind="override",
+        ref="gone.rate#x",
+        payload={"baseline": 1, "applied": 2},
+    )
     assert cleanup_run(run).cleanup_status == "incomplete"
     row.refresh_from_db()
     assert "no module registers the lease" in row.last_error and row.status == "confirmed"
@@ -207,9 +242,15 @@ def test_a_drifted_lease_is_left_alone_and_reported(world):  # C1, C2, C4
 
 @world_db
 def test_ok_with_a_failed_list_reverts_the_rest(world, isolated_registry):  # C4
-    isolated_registry.register_action(Action(
-        id="t.make", owner="t", reversible="ledger", perform=lambda **kw: None,
-        revert=lambda **kw: {"ok": True, "failed": ["b"]}))
+    isolated_registry.register_action(
+        Action(
+            id="t.make",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=lambda **kw: {"ok": True, "failed": ["b"]},
+        )
+    )
     run = RunFactory(status="completed")
     step = new_step(run, "t.make")
     a = ResourceFactory(run=run, step=step, owner_module="t", ref="a")
@@ -218,18 +259,34 @@ def test_ok_with_a_failed_list_reverts_the_rest(world, isolated_registry):  # C4
     assert (summary.reverted, summary.failed, summary.cleanup_status) == (1, 1, "pending")
     assert Res.get(pk=a.pk).status == "reverted"
     b.refresh_from_db()
-    assert (b.status, b.revert_attempts) == ("confirmed", 1) and "could not give this back" in b.last_error
+    assert (b.status, b.revert_attempts) == (
+        "confirmed",
+        1,
+    ) and "could not give this back" in b.last_error
 
 
 @world_db
-@pytest.mark.parametrize("fault", ["despawn.raise", "despawn.garbage", "despawn.fail", "despawn.hang"])
-def test_a_revert_that_keeps_failing_is_tried_max_times_then_incomplete(world, isolated_registry, fault):  # rule 2, C4, C5
+@pytest.mark.parametrize(
+    "fault", ["despawn.raise", "despawn.garbage", "despawn.fail", "despawn.hang"]
+)
+def test_a_revert_that_keeps_failing_is_tried_max_times_then_incomplete(
+    world, isolated_registry, fault
+):  # rule 2, C4, C5
     from project.world import world as w
 
     # The demo's own action, with a short budget so a hang costs a fraction of a second.
     isolated_registry.actions.pop("world.spawn")
-    isolated_registry.register_action(Action(id="world.spawn", owner="world", reversible="ledger", budget_ms=300,
-                                             perform=w.spawn, revert=w.despawn, reconcile=w.still_there))
+    isolated_registry.register_action(
+        Action(
+            id="world.spawn",
+            owner="world",
+            reversible="ledger",
+            budget_ms=300,
+            perform=w.spawn,
+            revert=w.despawn,
+            reconcile=w.still_there,
+        )
+    )
     run = _spawned_run(world, lease=False)
     world.switch_on(fault)
     passes = 0
@@ -248,7 +305,10 @@ def test_a_revert_that_keeps_failing_is_tried_max_times_then_incomplete(world, i
     summary = cleanup_run(run, reset_attempts=True, actor="alice")
     assert (summary.cleanup_status, summary.reset) == ("complete", 4)
     assert Creature.objects.count() == 0
-    assert EventRunLog.objects.get(run=run, kind="cleanup.retry").detail == {"resources": 4, "by": "alice"}
+    assert EventRunLog.objects.get(run=run, kind="cleanup.retry").detail == {
+        "resources": 4,
+        "by": "alice",
+    }
 
 
 @world_db
@@ -272,7 +332,9 @@ def test_reconcile_holds_back_when_the_world_says_everything_is_gone(world):  # 
     summary = reconcile_module("world")
     assert summary.held_back and summary.orphaned == 0 and summary.would_orphan == 3
     assert "more than 50%" in summary.reason
-    assert set(Res.filter(run=run, kind="creature").values_list("status", flat=True)) == {"confirmed"}
+    assert set(Res.filter(run=run, kind="creature").values_list("status", flat=True)) == {
+        "confirmed"
+    }
     forced = reconcile_module("world", force=True)
     assert forced.orphaned == 3
 
@@ -283,21 +345,39 @@ def test_an_unanswering_module_leaves_the_ledger_alone(world, isolated_registry,
     from project.world import world as w
 
     isolated_registry.actions.pop("world.spawn")
-    isolated_registry.register_action(Action(id="world.spawn", owner="world", reversible="ledger", budget_ms=300,
-                                             perform=w.spawn, revert=w.despawn, reconcile=w.still_there))
+    isolated_registry.register_action(
+        Action(
+            id="world.spawn",
+            owner="world",
+            reversible="ledger",
+            budget_ms=300,
+            perform=w.spawn,
+            revert=w.despawn,
+            reconcile=w.still_there,
+        )
+    )
     run = new_run()
     execute_step(spawn_step(run, "north", 2))
     world.restart()
     world.switch_on(fault)
     summary = reconcile_all(force=True)["world"]
     assert (summary.unanswered, summary.orphaned) == (2, 0)
-    assert set(Res.filter(run=run, kind="creature").values_list("status", flat=True)) == {"confirmed"}
+    assert set(Res.filter(run=run, kind="creature").values_list("status", flat=True)) == {
+        "confirmed"
+    }
 
 
 @pytest.mark.django_db
 def test_a_module_without_reconcile_is_unanswered(isolated_registry):  # C6
-    isolated_registry.register_action(Action(id="t.make", owner="t", reversible="ledger",
-                                             perform=lambda **kw: None, revert=lambda **kw: {"ok": True}))
+    isolated_registry.register_action(
+        Action(
+            id="t.make",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=lambda **kw: {"ok": True},
+        )
+    )
     run = RunFactory()
     step = new_step(run, "t.make")
     ResourceFactory(run=run, step=step, owner_module="t")
@@ -308,7 +388,9 @@ def test_a_module_without_reconcile_is_unanswered(isolated_registry):  # C6
 
 
 @world_db
-def test_a_stale_claimants_verdict_is_fenced_and_logged(isolated_registry, settings):  # C4, fenced verdicts
+def test_a_stale_claimants_verdict_is_fenced_and_logged(
+    isolated_registry, settings
+):  # C4, fenced verdicts
     from datetime import timedelta
 
     def revert(**kw):
@@ -319,8 +401,11 @@ def test_a_stale_claimants_verdict_is_fenced_and_logged(isolated_registry, setti
         assert Res.claim_group(ids, ttl=timedelta(minutes=1)).rows
         return {"ok": True}
 
-    isolated_registry.register_action(Action(id="t.make", owner="t", reversible="ledger",
-                                             perform=lambda **kw: None, revert=revert))
+    isolated_registry.register_action(
+        Action(
+            id="t.make", owner="t", reversible="ledger", perform=lambda **kw: None, revert=revert
+        )
+    )
     run = RunFactory(status="completed")
     step = new_step(run, "t.make")
     rows = [ResourceFactory(run=run, step=step, owner_module="t") for _ in range(3)]
@@ -331,11 +416,19 @@ def test_a_stale_claimants_verdict_is_fenced_and_logged(isolated_registry, setti
 
 
 @pytest.mark.django_db
-def test_a_poison_row_is_failed_after_max_claims_without_a_verdict(isolated_registry):  # C4, poison row
+def test_a_poison_row_is_failed_after_max_claims_without_a_verdict(
+    isolated_registry,
+):  # C4, poison row
     calls = []
-    isolated_registry.register_action(Action(id="t.make", owner="t", reversible="ledger",
-                                             perform=lambda **kw: None,
-                                             revert=lambda **kw: calls.append(1) or {"ok": True}))
+    isolated_registry.register_action(
+        Action(
+            id="t.make",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=lambda **kw: calls.append(1) or {"ok": True},
+        )
+    )
     run = RunFactory(status="completed", cleanup_status="pending")
     step = new_step(run, "t.make")
     # Four sweepers died holding it.
@@ -355,8 +448,15 @@ def test_a_poison_row_is_failed_after_max_claims_without_a_verdict(isolated_regi
 
 @pytest.mark.django_db
 def test_a_collision_is_an_answer_within_the_attempt_bound(isolated_registry):  # C4, collisions
-    isolated_registry.register_action(Action(id="t.make", owner="t", reversible="ledger",
-                                             perform=lambda **kw: None, revert=lambda **kw: {"ok": True}))
+    isolated_registry.register_action(
+        Action(
+            id="t.make",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=lambda **kw: {"ok": True},
+        )
+    )
     mine, theirs = RunFactory(status="completed", cleanup_status="pending"), RunFactory()
     step = new_step(mine, "t.make")
     ResourceFactory(run=mine, step=step, owner_module="t", ref="t1", status="orphaned")
@@ -379,8 +479,15 @@ def test_a_collision_is_an_answer_within_the_attempt_bound(isolated_registry):  
 def test_one_runs_failure_does_not_stop_the_sweep(isolated_registry, monkeypatch):  # C5
     import events_ledger.cleanup as cleanup
 
-    isolated_registry.register_action(Action(id="t.make", owner="t", reversible="ledger",
-                                             perform=lambda **kw: None, revert=lambda **kw: {"ok": True}))
+    isolated_registry.register_action(
+        Action(
+            id="t.make",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=lambda **kw: {"ok": True},
+        )
+    )
     runs = [RunFactory(status="completed", cleanup_status="pending") for _ in range(3)]
     for run in runs:
         ResourceFactory(run=run, step=new_step(run, "t.make"), owner_module="t")
@@ -401,8 +508,15 @@ def test_one_runs_failure_does_not_stop_the_sweep(isolated_registry, monkeypatch
 @pytest.mark.django_db
 def test_sweep_takes_at_most_the_batch(isolated_registry, settings):  # C5, S4
     settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 2}
-    isolated_registry.register_action(Action(id="t.make", owner="t", reversible="ledger",
-                                             perform=lambda **kw: None, revert=lambda **kw: {"ok": True}))
+    isolated_registry.register_action(
+        Action(
+            id="t.make",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=lambda **kw: {"ok": True},
+        )
+    )
     for _ in range(3):
         run = RunFactory(status="completed", cleanup_status="pending")
         ResourceFactory(run=run, step=new_step(run, "t.make"), owner_module="t")
@@ -413,8 +527,15 @@ def test_sweep_takes_at_most_the_batch(isolated_registry, settings):  # C5, S4
 @pytest.mark.django_db
 def test_groups_per_run_are_bounded(isolated_registry, settings):  # C4, S4
     settings.EVENTS_LEDGER = {"CLEANUP_GROUPS_PER_RUN": 2}
-    isolated_registry.register_action(Action(id="t.make", owner="t", reversible="ledger",
-                                             perform=lambda **kw: None, revert=lambda **kw: {"ok": True}))
+    isolated_registry.register_action(
+        Action(
+            id="t.make",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=lambda **kw: {"ok": True},
+        )
+    )
     run = RunFactory(status="completed", cleanup_status="pending")
     for i in range(3):
         ResourceFactory(run=run, step=new_step(run, "t.make", seq=i), owner_module="t")
@@ -424,9 +545,18 @@ def test_groups_per_run_are_bounded(isolated_registry, settings):  # C4, S4
 
 
 @pytest.mark.django_db
-def test_giving_back_a_group_costs_the_same_statements_for_5_and_50_rows(isolated_registry):  # C4, groups O(1)
-    isolated_registry.register_action(Action(id="t.make", owner="t", reversible="ledger",
-                                             perform=lambda **kw: None, revert=lambda **kw: {"ok": True}))
+def test_giving_back_a_group_costs_the_same_statements_for_5_and_50_rows(
+    isolated_registry,
+):  # C4, groups O(1)
+    isolated_registry.register_action(
+        Action(
+            id="t.make",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=lambda **kw: {"ok": True},
+        )
+    )
 
     def cost(n):
         run = RunFactory(status="completed", cleanup_status="pending")
@@ -441,9 +571,18 @@ def test_giving_back_a_group_costs_the_same_statements_for_5_and_50_rows(isolate
 
 
 @pytest.mark.django_db
-def test_plan_lists_what_would_be_given_back_and_writes_nothing(isolated_registry):  # S1 dry run, C3
-    isolated_registry.register_action(Action(id="t.make", owner="t", reversible="ledger",
-                                             perform=lambda **kw: None, revert=lambda **kw: {"ok": True}))
+def test_plan_lists_what_would_be_given_back_and_writes_nothing(
+    isolated_registry,
+):  # S1 dry run, C3
+    isolated_registry.register_action(
+        Action(
+            id="t.make",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=lambda **kw: {"ok": True},
+        )
+    )
     run = RunFactory(status="completed", cleanup_status="pending")
     step = new_step(run, "t.make")
     ResourceFactory(run=run, step=step, owner_module="t", ref="a")
@@ -465,8 +604,13 @@ def test_a_sweeper_killed_mid_revert_is_finished_by_a_later_sweep(world):  # R5,
     import json
     import subprocess
 
-    child = spawn("tests.procs", "cleanup", json.dumps({"run_id": run.pk}),
-                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    child = spawn(
+        "tests.procs",
+        "cleanup",
+        json.dumps({"run_id": run.pk}),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         child.stdin.write("go\n")
@@ -489,7 +633,9 @@ def test_a_sweeper_killed_mid_revert_is_finished_by_a_later_sweep(world):  # R5,
     age_rows(EventRunResource, [r.pk for r in rows], seconds=3600)
     report = sweep()
     assert report.runs[0].reverted == 2
-    assert {(r.status, r.revert_attempts) for r in Res.filter(run=run, kind="creature")} == {("reverted", 0)}
+    assert {(r.status, r.revert_attempts) for r in Res.filter(run=run, kind="creature")} == {
+        ("reverted", 0)
+    }
     assert Creature.objects.count() == 0
 
 
@@ -507,8 +653,16 @@ def test_four_sweepers_over_fifty_runs_revert_everything_exactly_once(world, ven
     serials = set(Creature.objects.values_list("serial", flat=True))
     assert len(serials) == 100
     race("sweep", [{} for _ in range(4)], timeout=300)
-    calls = Counter(ref for refs in Call.objects.filter(verb="despawn").values_list("refs", flat=True) for ref in refs)
+    calls = Counter(
+        ref
+        for refs in Call.objects.filter(verb="despawn").values_list("refs", flat=True)
+        for ref in refs
+    )
     assert set(calls) == serials and set(calls.values()) == {1}
     assert not Res.filter(run__in=runs).unresolved().exists()
-    assert set(EventRun.objects.filter(pk__in=[r.pk for r in runs]).values_list("cleanup_status", flat=True)) == {"complete"}
+    assert set(
+        EventRun.objects.filter(pk__in=[r.pk for r in runs]).values_list(
+            "cleanup_status", flat=True
+        )
+    ) == {"complete"}
     assert len(set(Call.objects.values_list("pid", flat=True))) > 1  # they really raced

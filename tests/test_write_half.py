@@ -7,7 +7,9 @@ from datetime import timedelta
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from events_ledger import Action, registry
 from events_ledger.ledger import (
@@ -17,14 +19,19 @@ from events_ledger.ledger import (
     record_answer,
     reserve_step,
 )
-from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
+from events_ledger.models import STEP_KIND, EventRunLog, EventRunResource, EventRunStep
 from project.world.models import Creature, RegionSetting
 from tests.factories import ResourceFactory
 from tests.helpers import lease_step, new_run, new_step, spawn_step
 
 Res = EventRunResource.objects
-LEDGER = Action(id="t.make", owner="t", reversible="ledger", perform=lambda **kw: {"ok": True},
-                revert=lambda **kw: {"ok": True})
+LEDGER = Action(
+    id="t.make",
+    owner="t",
+    reversible="ledger",
+    perform=lambda **kw: {"ok": True},
+    revert=lambda **kw: {"ok": True},
+)
 
 
 # ── W1 ──
@@ -55,8 +62,16 @@ def test_normalise_refuses_with_a_reason(entry, why):  # W1
 
 
 def test_normalise_accepts_and_never_truncates():  # W1
-    ok = normalise({"kind": "creature", "ref": "r" * 190, "member_key": "m", "until": "2030-01-01T00:00:00Z",
-                    "payload": {"hp": 3}}, "t.make")
+    ok = normalise(
+        {
+            "kind": "creature",
+            "ref": "r" * 190,
+            "member_key": "m",
+            "until": "2030-01-01T00:00:00Z",
+            "payload": {"hp": 3},
+        },
+        "t.make",
+    )
     assert ok.ok and ok.row["ref"] == "r" * 190 and ok.row["member_key"] == "m"
     assert ok.row["lease_until"].year == 2030 and ok.row["payload"] == {"hp": 3}
     # A targeted lease ref resolves through the lease's own id.
@@ -72,7 +87,12 @@ def test_reserve_step_writes_the_placeholder_and_marks_the_run_dirty():  # W2, W
     step = new_step(run, "t.make")
     pk = reserve_step(run, step, LEDGER)
     row = Res.get(pk=pk)
-    assert (row.kind, row.ref, row.status, row.owner_module) == (STEP_KIND, step.idempotency_key, "pending", "t")
+    assert (row.kind, row.ref, row.status, row.owner_module) == (
+        STEP_KIND,
+        step.idempotency_key,
+        "pending",
+        "t",
+    )
     assert row.payload == {"action": "t.make", "phase": "main", "seq": step.seq}
     run.refresh_from_db()
     assert run.cleanup_status == "pending"
@@ -92,7 +112,11 @@ def test_only_ledger_actions_get_a_placeholder(reversible):  # W2
 
 @pytest.mark.django_db
 def test_mark_run_dirty_only_from_not_required():  # W4
-    for start, end in [("not_required", "pending"), ("complete", "complete"), ("incomplete", "incomplete")]:
+    for start, end in [
+        ("not_required", "pending"),
+        ("complete", "complete"),
+        ("incomplete", "incomplete"),
+    ]:
         run = new_run(cleanup_status=start)
         mark_run_dirty(run)
         run.refresh_from_db()
@@ -107,7 +131,9 @@ def test_record_answer_records_drops_skips_and_names_holders():  # W3
     run, other = new_run(), new_run()
     step = new_step(run, "t.make")
     ph = reserve_step(run, step, LEDGER)
-    theirs = ResourceFactory(run=other, owner_module="t", kind="thing", ref="taken", status="confirmed")
+    theirs = ResourceFactory(
+        run=other, owner_module="t", kind="thing", ref="taken", status="confirmed"
+    )
     answer = [
         {"kind": "thing", "ref": "a", "payload": {"x": 1}},
         {"kind": "thing", "ref": "b"},
@@ -158,7 +184,9 @@ def test_recording_costs_the_same_statements_for_5_and_50_resources():  # W3, bu
         step = new_step(run, "t.make")
         ph = reserve_step(run, step, LEDGER)
         with CaptureQueriesContext(connection) as q:
-            out = record_answer(run, step, LEDGER, ph, [{"kind": "thing", "ref": f"{run.pk}-{i}"} for i in range(n)])
+            out = record_answer(
+                run, step, LEDGER, ph, [{"kind": "thing", "ref": f"{run.pk}-{i}"} for i in range(n)]
+            )
         assert out.recorded == n
         return len(q)
 
@@ -167,20 +195,34 @@ def test_recording_costs_the_same_statements_for_5_and_50_resources():  # W3, bu
 
 junk = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=250),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(
-        st.sampled_from(["kind", "ref", "until", "member_key", "payload", "memberKey", "x"]) | st.text(max_size=5),
-        children, max_size=6),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["kind", "ref", "until", "member_key", "payload", "memberKey", "x"])
+            | st.text(max_size=5),
+            children,
+            max_size=6,
+        )
+    ),
     max_leaves=12,
 )
-entries = st.lists(
-    junk | st.fixed_dictionaries({"kind": st.text(max_size=70), "ref": st.text(max_size=200)},
-                                 optional={"until": junk, "member_key": junk, "payload": junk}),
-    max_size=8,
-) | junk
+entries = (
+    st.lists(
+        junk
+        | st.fixed_dictionaries(
+            {"kind": st.text(max_size=70), "ref": st.text(max_size=200)},
+            optional={"until": junk, "member_key": junk, "payload": junk},
+        ),
+        max_size=8,
+    )
+    | junk
+)
 
 
 @pytest.mark.django_db
-@hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@hsettings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(resources=entries)
 def test_garbage_answers_never_raise_and_never_record_a_bad_row(resources):  # W3, W1
     run = new_run()
@@ -193,8 +235,13 @@ def test_garbage_answers_never_raise_and_never_record_a_bad_row(resources):  # W
         assert 0 < len(row.kind) <= 64 and row.kind != STEP_KIND
         assert 0 < len(row.ref) <= 190
         assert row.status == "confirmed"
-        reported = [e for e in (resources if isinstance(resources, list) else [])
-                    if isinstance(e, dict) and str(e.get("ref")) == row.ref and str(e.get("kind")) == row.kind]
+        reported = [
+            e
+            for e in (resources if isinstance(resources, list) else [])
+            if isinstance(e, dict)
+            and str(e.get("ref")) == row.ref
+            and str(e.get("kind")) == row.kind
+        ]
         assert reported, "a row nobody reported"
     assert Res.get(pk=ph).status == "reverted"
 
@@ -253,13 +300,17 @@ def test_a_reexecuted_step_records_nothing_twice(world):  # W5, W2, W3
 
 
 def _with_action(isolated_registry, **kw):
-    action = Action(id="t.world", owner="world", reversible="ledger", revert=lambda **k: {"ok": True}, **kw)
+    action = Action(
+        id="t.world", owner="world", reversible="ledger", revert=lambda **k: {"ok": True}, **kw
+    )
     isolated_registry.register_action(action)
     return action
 
 
 @pytestmark_world
-def test_a_hung_perform_returns_at_its_deadline_as_a_timeout(world, isolated_registry):  # W5, deadline
+def test_a_hung_perform_returns_at_its_deadline_as_a_timeout(
+    world, isolated_registry
+):  # W5, deadline
     from project.world import world as w
 
     _with_action(isolated_registry, perform=w.spawn, budget_ms=300)
@@ -271,7 +322,9 @@ def test_a_hung_perform_returns_at_its_deadline_as_a_timeout(world, isolated_reg
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_hung_call_leaves_no_database_connection_open(world, isolated_registry, vendor):  # W5, deadline
+def test_a_hung_call_leaves_no_database_connection_open(
+    world, isolated_registry, vendor
+):  # W5, deadline
     if vendor not in ("mysql", "postgresql"):
         pytest.skip("server sessions exist only on server databases")
     from events_ledger.deadline import call_with_deadline
@@ -280,14 +333,20 @@ def test_a_hung_call_leaves_no_database_connection_open(world, isolated_registry
     def sessions():
         with connection.cursor() as c:
             if vendor == "mysql":
-                c.execute("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE DB = DATABASE()")
+                c.execute(
+                    "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE DB = DATABASE()"
+                )
             else:
-                c.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()")
+                c.execute(
+                    "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
+                )
             return c.fetchone()[0]
 
     before = sessions()
     world.switch_on("spawn.hang")
-    call = call_with_deadline(lambda: w.spawn(run_id=1, params={}, idempotency_key="k"), 0.5, "hang")
+    call = call_with_deadline(
+        lambda: w.spawn(run_id=1, params={}, idempotency_key="k"), 0.5, "hang"
+    )
     assert call.timed_out
     import time
 
@@ -372,7 +431,12 @@ def test_a_lease_reserves_its_row_before_writing_the_world(world):  # W6
     result = execute_step(lease_step(run, "north", 5))
     assert (result.outcome, result.recorded) == ("done", 1)
     row = Res.get(run=run)
-    assert (row.kind, row.ref, row.status, row.owner_module) == ("override", "world.spawn_rate#north", "confirmed", "world")
+    assert (row.kind, row.ref, row.status, row.owner_module) == (
+        "override",
+        "world.spawn_rate#north",
+        "confirmed",
+        "world",
+    )
     assert row.payload == {"baseline": 1, "applied": 5}
     assert RegionSetting.objects.get(region="north").spawn_rate == 5
     run.refresh_from_db()
@@ -416,8 +480,15 @@ def test_a_retried_lease_keeps_its_first_baseline(world, isolated_registry):  # 
         return {"ok": True}
 
     isolated_registry.leases.pop("world.spawn_rate")
-    isolated_registry.register_lease(Lease(id="world.spawn_rate", owner="world", read=w.current_rate,
-                                           apply=flaky_apply, restore=w.put_back))
+    isolated_registry.register_lease(
+        Lease(
+            id="world.spawn_rate",
+            owner="world",
+            read=w.current_rate,
+            apply=flaky_apply,
+            restore=w.put_back,
+        )
+    )
     RegionSetting.objects.create(region="north", spawn_rate=1)
     run = new_run()
     step = lease_step(run, "north", 5)

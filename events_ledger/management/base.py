@@ -14,7 +14,9 @@ OK, NEEDS_HUMAN, BAD_INPUT = 0, 1, 2
 
 class LedgerCommand(BaseCommand):
     def add_json_argument(self, parser: Any) -> None:
-        parser.add_argument("--json", action="store_true", help="Print one JSON document, for machines.")
+        parser.add_argument(
+            "--json", action="store_true", help="Print one JSON document, for machines."
+        )
 
     def emit_json(self, document: Any) -> None:
         self.stdout.write(json.dumps(document, indent=2, default=str, sort_keys=True))

@@ -3,119 +3,278 @@
 import django.core.serializers.json
 import django.db.models.deletion
 import django.utils.timezone
+from django.db import migrations, models
+
 import events_ledger.db
 import events_ledger.models
-from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='EventRun',
+            name="EventRun",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=200)),
-                ('scope', models.CharField(blank=True, default='', max_length=200)),
-                ('status', models.CharField(choices=[('pending', 'Pending'), ('running', 'Running'), ('completed', 'Completed'), ('cancelled', 'Cancelled'), ('failed', 'Failed'), ('missed', 'Missed')], default='pending', max_length=16)),
-                ('cleanup_status', models.CharField(choices=[('not_required', 'not required'), ('pending', 'Pending'), ('complete', 'Complete'), ('incomplete', 'Incomplete')], default='not_required', max_length=16)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('updated_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=200)),
+                ("scope", models.CharField(blank=True, default="", max_length=200)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("pending", "Pending"),
+                            ("running", "Running"),
+                            ("completed", "Completed"),
+                            ("cancelled", "Cancelled"),
+                            ("failed", "Failed"),
+                            ("missed", "Missed"),
+                        ],
+                        default="pending",
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "cleanup_status",
+                    models.CharField(
+                        choices=[
+                            ("not_required", "not required"),
+                            ("pending", "Pending"),
+                            ("complete", "Complete"),
+                            ("incomplete", "Incomplete"),
+                        ],
+                        default="not_required",
+                        max_length=16,
+                    ),
+                ),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("updated_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
             ],
             options={
-                'verbose_name': 'event run',
-                'permissions': [('retry_cleanup', 'Can retry the cleanup of a run (resets revert attempts)'), ('reconcile_resources', "Can reconcile a module's resources with its world")],
-                'indexes': [models.Index(fields=['cleanup_status', 'status'], name='evrun_cleanup_idx'), models.Index(fields=['status'], name='evrun_status_idx')],
+                "verbose_name": "event run",
+                "permissions": [
+                    ("retry_cleanup", "Can retry the cleanup of a run (resets revert attempts)"),
+                    ("reconcile_resources", "Can reconcile a module's resources with its world"),
+                ],
+                "indexes": [
+                    models.Index(fields=["cleanup_status", "status"], name="evrun_cleanup_idx"),
+                    models.Index(fields=["status"], name="evrun_status_idx"),
+                ],
             },
         ),
         migrations.CreateModel(
-            name='EventRunStep',
+            name="EventRunStep",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('phase', models.CharField(default='main', max_length=64)),
-                ('seq', models.PositiveIntegerField(default=0)),
-                ('action_id', models.CharField(max_length=128)),
-                ('params', models.JSONField(blank=True, default=dict, encoder=django.core.serializers.json.DjangoJSONEncoder)),
-                ('idempotency_key', models.CharField(default=events_ledger.models.mint_idempotency_key, editable=False, max_length=64, unique=True)),
-                ('status', models.CharField(choices=[('pending', 'Pending'), ('running', 'Running'), ('done', 'Done'), ('failed', 'Failed'), ('refused', 'Refused')], default='pending', max_length=16)),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('last_error', models.TextField(blank=True, null=True)),
-                ('claim_token', models.CharField(blank=True, editable=False, max_length=32, null=True)),
-                ('claimed_at', models.DateTimeField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('updated_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('run', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='steps', to='events_ledger.eventrun')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("phase", models.CharField(default="main", max_length=64)),
+                ("seq", models.PositiveIntegerField(default=0)),
+                ("action_id", models.CharField(max_length=128)),
+                (
+                    "params",
+                    models.JSONField(
+                        blank=True,
+                        default=dict,
+                        encoder=django.core.serializers.json.DjangoJSONEncoder,
+                    ),
+                ),
+                (
+                    "idempotency_key",
+                    models.CharField(
+                        default=events_ledger.models.mint_idempotency_key,
+                        editable=False,
+                        max_length=64,
+                        unique=True,
+                    ),
+                ),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("pending", "Pending"),
+                            ("running", "Running"),
+                            ("done", "Done"),
+                            ("failed", "Failed"),
+                            ("refused", "Refused"),
+                        ],
+                        default="pending",
+                        max_length=16,
+                    ),
+                ),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("last_error", models.TextField(blank=True, null=True)),
+                (
+                    "claim_token",
+                    models.CharField(blank=True, editable=False, max_length=32, null=True),
+                ),
+                ("claimed_at", models.DateTimeField(blank=True, null=True)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("updated_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "run",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="steps",
+                        to="events_ledger.eventrun",
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'event run step',
-                'ordering': ['run_id', 'phase', 'seq', 'id'],
+                "verbose_name": "event run step",
+                "ordering": ["run_id", "phase", "seq", "id"],
             },
         ),
         migrations.CreateModel(
-            name='EventRunResource',
+            name="EventRunResource",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('owner_module', events_ledger.db.KeyCharField(max_length=64)),
-                ('kind', events_ledger.db.KeyCharField(max_length=64)),
-                ('ref', events_ledger.db.KeyCharField(max_length=190)),
-                ('payload', models.JSONField(blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True)),
-                ('lease_until', models.DateTimeField(blank=True, null=True)),
-                ('member_key', models.CharField(blank=True, max_length=190, null=True)),
-                ('status', models.CharField(choices=[('pending', 'Pending'), ('confirmed', 'Confirmed'), ('reverting', 'Reverting'), ('reverted', 'Reverted'), ('orphaned', 'Orphaned'), ('drifted', 'Drifted')], default='pending', max_length=16)),
-                ('revert_attempts', models.PositiveIntegerField(default=0)),
-                ('last_error', models.CharField(blank=True, max_length=500, null=True)),
-                ('claim_token', models.CharField(blank=True, editable=False, max_length=32, null=True)),
-                ('claim_count', models.PositiveIntegerField(default=0)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('updated_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('live_marker', models.GeneratedField(db_persist=True, expression=models.Case(models.When(models.Q(('status__in', ('pending', 'confirmed', 'reverting'))), then=models.Value(1)), default=None, output_field=models.SmallIntegerField(null=True)), output_field=models.SmallIntegerField(null=True))),
-                ('run', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='resources', to='events_ledger.eventrun')),
-                ('step', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='resources', to='events_ledger.eventrunstep')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("owner_module", events_ledger.db.KeyCharField(max_length=64)),
+                ("kind", events_ledger.db.KeyCharField(max_length=64)),
+                ("ref", events_ledger.db.KeyCharField(max_length=190)),
+                (
+                    "payload",
+                    models.JSONField(
+                        blank=True,
+                        encoder=django.core.serializers.json.DjangoJSONEncoder,
+                        null=True,
+                    ),
+                ),
+                ("lease_until", models.DateTimeField(blank=True, null=True)),
+                ("member_key", models.CharField(blank=True, max_length=190, null=True)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("pending", "Pending"),
+                            ("confirmed", "Confirmed"),
+                            ("reverting", "Reverting"),
+                            ("reverted", "Reverted"),
+                            ("orphaned", "Orphaned"),
+                            ("drifted", "Drifted"),
+                        ],
+                        default="pending",
+                        max_length=16,
+                    ),
+                ),
+                ("revert_attempts", models.PositiveIntegerField(default=0)),
+                ("last_error", models.CharField(blank=True, max_length=500, null=True)),
+                (
+                    "claim_token",
+                    models.CharField(blank=True, editable=False, max_length=32, null=True),
+                ),
+                ("claim_count", models.PositiveIntegerField(default=0)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("updated_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "live_marker",
+                    models.GeneratedField(
+                        db_persist=True,
+                        expression=models.Case(
+                            models.When(
+                                models.Q(("status__in", ("pending", "confirmed", "reverting"))),
+                                then=models.Value(1),
+                            ),
+                            default=None,
+                            output_field=models.SmallIntegerField(null=True),
+                        ),
+                        output_field=models.SmallIntegerField(null=True),
+                    ),
+                ),
+                (
+                    "run",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="resources",
+                        to="events_ledger.eventrun",
+                    ),
+                ),
+                (
+                    "step",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="resources",
+                        to="events_ledger.eventrunstep",
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'event run resource',
+                "verbose_name": "event run resource",
             },
         ),
         migrations.CreateModel(
-            name='EventRunLog',
+            name="EventRunLog",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('kind', models.CharField(max_length=64)),
-                ('detail', models.JSONField(blank=True, default=dict, encoder=django.core.serializers.json.DjangoJSONEncoder)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('run', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='log', to='events_ledger.eventrun')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("kind", models.CharField(max_length=64)),
+                (
+                    "detail",
+                    models.JSONField(
+                        blank=True,
+                        default=dict,
+                        encoder=django.core.serializers.json.DjangoJSONEncoder,
+                    ),
+                ),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "run",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="log",
+                        to="events_ledger.eventrun",
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'event run log entry',
-                'verbose_name_plural': 'event run log',
-                'indexes': [models.Index(fields=['run', 'created_at'], name='evlog_run_idx')],
+                "verbose_name": "event run log entry",
+                "verbose_name_plural": "event run log",
+                "indexes": [models.Index(fields=["run", "created_at"], name="evlog_run_idx")],
             },
         ),
         migrations.AddIndex(
-            model_name='eventrunstep',
-            index=models.Index(fields=['run', 'status'], name='evstep_run_status_idx'),
+            model_name="eventrunstep",
+            index=models.Index(fields=["run", "status"], name="evstep_run_status_idx"),
         ),
         migrations.AddIndex(
-            model_name='eventrunresource',
-            index=models.Index(fields=['run', 'status'], name='evres_run_status_idx'),
+            model_name="eventrunresource",
+            index=models.Index(fields=["run", "status"], name="evres_run_status_idx"),
         ),
         migrations.AddIndex(
-            model_name='eventrunresource',
-            index=models.Index(fields=['status', 'owner_module'], name='evres_status_owner_idx'),
+            model_name="eventrunresource",
+            index=models.Index(fields=["status", "owner_module"], name="evres_status_owner_idx"),
         ),
         migrations.AddIndex(
-            model_name='eventrunresource',
-            index=models.Index(fields=['claim_token'], name='evres_claim_token_idx'),
+            model_name="eventrunresource",
+            index=models.Index(fields=["claim_token"], name="evres_claim_token_idx"),
         ),
         migrations.AddConstraint(
-            model_name='eventrunresource',
-            constraint=models.UniqueConstraint(fields=('owner_module', 'kind', 'ref', 'live_marker'), name='uq_evres_target'),
+            model_name="eventrunresource",
+            constraint=models.UniqueConstraint(
+                fields=("owner_module", "kind", "ref", "live_marker"), name="uq_evres_target"
+            ),
         ),
     ]

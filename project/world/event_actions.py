@@ -17,8 +17,13 @@ register_action(
     )
 )
 register_action(
-    Action(id="world.announce", owner="world", reversible="none", perform=world.announce,
-           description="post an announcement")
+    Action(
+        id="world.announce",
+        owner="world",
+        reversible="none",
+        perform=world.announce,
+        description="post an announcement",
+    )
 )
 register_lease(
     Lease(

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from typing import Any
 
 from django.db import IntegrityError, transaction
-
-import os
 
 from .models import Announcement, Call, Creature, RegionSetting, Switch
 
@@ -88,8 +87,12 @@ def spawn(*, run_id: int, params: dict[str, Any], idempotency_key: str) -> Any:
 def despawn(*, run_id: int, resources: list[dict[str, Any]], idempotency_key: str) -> Any:
     """Remove the listed creatures; with an empty list, whatever the key spawned.
     Removing what is not there is a success."""
-    Call.objects.create(verb="despawn", idempotency_key=idempotency_key or "",
-                        refs=[r.get("ref") for r in resources], pid=os.getpid())
+    Call.objects.create(
+        verb="despawn",
+        idempotency_key=idempotency_key or "",
+        refs=[r.get("ref") for r in resources],
+        pid=os.getpid(),
+    )
     if _fault("despawn.raise"):
         raise RuntimeError("the despawner crashed")
     if _fault("despawn.hang"):
@@ -112,7 +115,12 @@ def still_there(*, run_id: int, resources: list[dict[str, Any]]) -> Any:
     if _fault("reconcile.garbage"):
         return {"ok": "yes"}
     serials = [r["ref"] for r in resources]
-    return {"ok": True, "in_force": list(Creature.objects.filter(serial__in=serials).values_list("serial", flat=True))}
+    return {
+        "ok": True,
+        "in_force": list(
+            Creature.objects.filter(serial__in=serials).values_list("serial", flat=True)
+        ),
+    }
 
 
 def restart() -> int:
@@ -151,14 +159,18 @@ def set_rate(value: Any, *, target: str | None, run_id: int) -> Any:
 
 def put_back(baseline: Any, *, expected: Any, run_id: int, target: str | None) -> Any:
     """Put the baseline back, unless somebody else's value is in place now."""
-    Call.objects.create(verb="restore", idempotency_key=target or "", refs=[baseline], pid=os.getpid())
+    Call.objects.create(
+        verb="restore", idempotency_key=target or "", refs=[baseline], pid=os.getpid()
+    )
     if _fault("rate.restore_fail"):
         return {"ok": False, "error": "the settings service is read-only right now"}
     region = target or "default"
     # Compare-and-set, like the ledger: only our own value is replaced.
     if RegionSetting.objects.filter(region=region, spawn_rate=expected).update(spawn_rate=baseline):
         return {"ok": True}
-    current = RegionSetting.objects.filter(region=region).values_list("spawn_rate", flat=True).first()
+    current = (
+        RegionSetting.objects.filter(region=region).values_list("spawn_rate", flat=True).first()
+    )
     if current == baseline:
         return {"ok": True}  # already back (or never applied)
     return {"ok": False, "drifted": True, "current": current}
@@ -167,8 +179,6 @@ def put_back(baseline: Any, *, expected: Any, run_id: int, target: str | None) -
 def snapshot() -> dict[str, Any]:
     """The world as a newcomer would want to see it."""
     return {
-        "creatures": sorted(
-            (c.region, c.kind, c.serial) for c in Creature.objects.all()
-        ),
+        "creatures": sorted((c.region, c.kind, c.serial) for c in Creature.objects.all()),
         "rates": dict(RegionSetting.objects.order_by("region").values_list("region", "spawn_rate")),
     }

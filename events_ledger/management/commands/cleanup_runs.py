@@ -34,7 +34,9 @@ class Command(LedgerCommand):
             "--dry-run", action="store_true", help="List what would be given back; write nothing."
         )
         parser.add_argument(
-            "--loop", type=float, metavar="SECONDS",
+            "--loop",
+            type=float,
+            metavar="SECONDS",
             help="Sweep every SECONDS until SIGTERM/SIGINT, finishing the run in hand.",
         )
         self.add_json_argument(parser)
@@ -47,7 +49,7 @@ class Command(LedgerCommand):
         if opts["loop"] is not None and opts["loop"] <= 0:
             raise self.bad_input("--loop takes a positive number of seconds.")
         try:
-            ledger_settings.CLEANUP_RUN_BATCH  # a wrong setting is bad input, said plainly
+            _ = ledger_settings.CLEANUP_RUN_BATCH  # a wrong setting is bad input, said plainly
         except Exception as exc:
             raise self.bad_input(str(exc)) from exc
         self.verbosity = opts["verbosity"]
@@ -58,8 +60,11 @@ class Command(LedgerCommand):
         if run is not None:
             actor = opts["actor"] or f"cli:{getpass.getuser()}"
             try:
-                summary = cleanup_run(run, reset_attempts=opts["reset_attempts"],
-                                      actor=actor if opts["reset_attempts"] else None)
+                summary = cleanup_run(
+                    run,
+                    reset_attempts=opts["reset_attempts"],
+                    actor=actor if opts["reset_attempts"] else None,
+                )
             except RunNotTerminal as exc:
                 raise self.bad_input(f"{exc}. Finish or cancel it first.") from exc
             self._report([summary], {})
@@ -81,22 +86,31 @@ class Command(LedgerCommand):
         self._report(report.runs, report.errors, repaired=report.repaired)
         return NEEDS_HUMAN if report.incomplete or report.errors else OK
 
-    def _report(self, summaries: list[CleanupSummary], errors: dict[int, str], repaired: int = 0) -> None:
+    def _report(
+        self, summaries: list[CleanupSummary], errors: dict[int, str], repaired: int = 0
+    ) -> None:
         if self.as_json:
-            self.emit_json({"runs": [s.as_dict() for s in summaries], "errors": errors, "repaired": repaired})
+            self.emit_json(
+                {"runs": [s.as_dict() for s in summaries], "errors": errors, "repaired": repaired}
+            )
             return
         if self.verbosity == 0:
             return
         for s in summaries:
             style = {"complete": self.style.SUCCESS, "incomplete": self.style.ERROR}.get(
-                s.cleanup_status, self.style.WARNING)
-            self.stdout.write(style(
-                f"run {s.run_id}: attempted {s.attempted}, reverted {s.reverted}, drifted {s.drifted}, "
-                f"failed {s.failed}, remaining {s.remaining} -> {s.cleanup_status}"
-            ))
+                s.cleanup_status, self.style.WARNING
+            )
+            self.stdout.write(
+                style(
+                    f"run {s.run_id}: attempted {s.attempted}, reverted {s.reverted}, drifted {s.drifted}, "
+                    f"failed {s.failed}, remaining {s.remaining} -> {s.cleanup_status}"
+                )
+            )
             if self.verbosity >= 2:
                 for g in s.groups:
-                    line = f"  {g['call']} {g['what']}: {', '.join(g['resources'])} -> {g['outcome']}"
+                    line = (
+                        f"  {g['call']} {g['what']}: {', '.join(g['resources'])} -> {g['outcome']}"
+                    )
                     self.stdout.write(line + (f" ({g['error']})" if g.get("error") else ""))
         for run_id, error in errors.items():
             self.stderr.write(self.style.ERROR(f"run {run_id}: the sweep failed: {error}"))
@@ -112,12 +126,18 @@ class Command(LedgerCommand):
             runs = [run]
         else:
             runs = EventRunResource.objects.runs_needing_cleanup(
-                ledger_settings.CLEANUP_RUN_BATCH, ledger_settings.MAX_REVERT_ATTEMPTS,
-                ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT)
+                ledger_settings.CLEANUP_RUN_BATCH,
+                ledger_settings.MAX_REVERT_ATTEMPTS,
+                ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
+            )
         plans = {r.pk: plan_run(r, reset_attempts=human) for r in runs}
         if self.as_json:
-            self.emit_json({"dry_run": True, "runs": {pk: [g.describe() for g in groups]
-                                                      for pk, groups in plans.items()}})
+            self.emit_json(
+                {
+                    "dry_run": True,
+                    "runs": {pk: [g.describe() for g in groups] for pk, groups in plans.items()},
+                }
+            )
             return OK
         if not any(plans.values()):
             self.stdout.write("nothing would be given back")
@@ -127,7 +147,9 @@ class Command(LedgerCommand):
                 continue
             self.stdout.write(f"run {pk} ({run.name}, {run.status}) would give back:")
             for g in groups:
-                self.stdout.write(f"  - {g.call}" + (f"  [cannot: {g.problem}]" if g.problem else ""))
+                self.stdout.write(
+                    f"  - {g.call}" + (f"  [cannot: {g.problem}]" if g.problem else "")
+                )
         return OK
 
     # ── loop ──

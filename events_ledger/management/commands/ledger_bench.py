@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import connection
+from django.db import connection as default_connection
 from django.db.models import Q
 
 from events_ledger import ledger
@@ -19,6 +19,8 @@ from events_ledger.management.base import LedgerCommand
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from events_ledger.registry import Action, default_registry
 
+# The backends' own attributes (mysql_is_mariadb, pg_version, ...) are not in the stubs.
+connection: Any = default_connection
 SCOPE = "ledger-bench"
 ACTION = "bench.noop"
 Res = EventRunResource.objects
@@ -30,7 +32,9 @@ class Counter:
     def __init__(self) -> None:
         self.n = 0
 
-    def __call__(self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+    def __call__(
+        self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
+    ) -> Any:
         self.n += 1
         return execute(sql, params, many, context)
 
@@ -48,7 +52,10 @@ def measured() -> Iterator[dict[str, float]]:
 
 def _noop_perform(*, run_id: int, params: dict[str, Any], idempotency_key: str) -> dict[str, Any]:
     n = int(params.get("n", 50))
-    return {"ok": True, "resources": [{"kind": "thing", "ref": f"{idempotency_key}-{i}"} for i in range(n)]}
+    return {
+        "ok": True,
+        "resources": [{"kind": "thing", "ref": f"{idempotency_key}-{i}"} for i in range(n)],
+    }
 
 
 def _noop_revert(**kwargs: Any) -> dict[str, Any]:
@@ -62,13 +69,23 @@ class Command(LedgerCommand):
     )
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("--runs", type=int, default=10, help="runs per measurement (default 10)")
+        parser.add_argument(
+            "--runs", type=int, default=10, help="runs per measurement (default 10)"
+        )
         parser.add_argument("--steps", type=int, default=10, help="steps per run (default 10)")
-        parser.add_argument("--per-step", type=int, default=50, help="resources each step answers (default 50)")
-        parser.add_argument("--history", default="10000,1000000",
-                            help="historical row counts for the idle sweep (default 10000,1000000; '' skips)")
-        parser.add_argument("--i-know", action="store_true",
-                            help="run even though the database holds runs that are not the benchmark's")
+        parser.add_argument(
+            "--per-step", type=int, default=50, help="resources each step answers (default 50)"
+        )
+        parser.add_argument(
+            "--history",
+            default="10000,1000000",
+            help="historical row counts for the idle sweep (default 10000,1000000; '' skips)",
+        )
+        parser.add_argument(
+            "--i-know",
+            action="store_true",
+            help="run even though the database holds runs that are not the benchmark's",
+        )
         self.add_json_argument(parser)
 
     def handle(self, *args: Any, **opts: Any) -> None:
@@ -90,21 +107,35 @@ class Command(LedgerCommand):
         from django.conf import settings
 
         if settings.DEBUG and not self.as_json:
-            self.stderr.write("note: DEBUG is on, so Django logs every query; figures are lower than in production.")
+            self.stderr.write(
+                "note: DEBUG is on, so Django logs every query; figures are lower than in production."
+            )
         self._cleanup()
         results: dict[str, Any] = {"machine": self._machine()}
         with default_registry.isolated() as reg:
             reg.actions.pop(ACTION, None)
-            reg.register_action(Action(id=ACTION, owner="bench", reversible="ledger", budget_ms=30_000,
-                                       perform=_noop_perform, revert=_noop_revert))
+            reg.register_action(
+                Action(
+                    id=ACTION,
+                    owner="bench",
+                    reversible="ledger",
+                    budget_ms=30_000,
+                    perform=_noop_perform,
+                    revert=_noop_revert,
+                )
+            )
             try:
                 shape = (opts["runs"], opts["steps"], opts["per_step"])
-                results["shape"] = dict(zip(("runs", "steps_per_run", "resources_per_step"), shape))
+                results["shape"] = dict(
+                    zip(("runs", "steps_per_run", "resources_per_step"), shape, strict=True)
+                )
                 results["ledger"] = self._bulk_way(*shape)
                 results["per_row"] = self._per_row_way(*shape)
                 results["ratio"] = {
-                    "recording": results["ledger"]["recording"]["per_s"] / results["per_row"]["recording"]["per_s"],
-                    "giving_back": results["ledger"]["giving_back"]["per_s"] / results["per_row"]["giving_back"]["per_s"],
+                    "recording": results["ledger"]["recording"]["per_s"]
+                    / results["per_row"]["recording"]["per_s"],
+                    "giving_back": results["ledger"]["giving_back"]["per_s"]
+                    / results["per_row"]["giving_back"]["per_s"],
                 }
                 if history:
                     results["idle_sweep"] = self._idle_sweeps(history)
@@ -117,13 +148,23 @@ class Command(LedgerCommand):
 
     # ── the ledger's way ──
 
-    def _make_runs(self, runs: int, steps: int, per_step: int, tag: str) -> list[tuple[EventRun, list[EventRunStep]]]:
+    def _make_runs(
+        self, runs: int, steps: int, per_step: int, tag: str
+    ) -> list[tuple[EventRun, list[EventRunStep]]]:
         made = []
         for r in range(runs):
             run = EventRun.objects.create(name=f"bench {tag} {r}", scope=SCOPE, status="running")
-            made.append((run, EventRunStep.objects.bulk_create(
-                [EventRunStep(run=run, seq=i, action_id=ACTION, params={"n": per_step}) for i in range(steps)]
-            )))
+            made.append(
+                (
+                    run,
+                    EventRunStep.objects.bulk_create(
+                        [
+                            EventRunStep(run=run, seq=i, action_id=ACTION, params={"n": per_step})
+                            for i in range(steps)
+                        ]
+                    ),
+                )
+            )
         return made
 
     def _bulk_way(self, runs: int, steps: int, per_step: int) -> dict[str, Any]:
@@ -153,11 +194,15 @@ class Command(LedgerCommand):
         with measured() as rec:
             for run, run_steps in made:
                 for step in run_steps:
-                    answer = _noop_perform(run_id=run.pk, params=step.params, idempotency_key=step.idempotency_key)
+                    answer = _noop_perform(
+                        run_id=run.pk, params=step.params, idempotency_key=step.idempotency_key
+                    )
                     for entry in answer["resources"]:
                         # Two statements a resource: insert pending, then confirm.
-                        reserved = Res.reserve(run, step, owner="bench", kind=entry["kind"], ref=entry["ref"])
-                        if reserved.ok:
+                        reserved = Res.reserve(
+                            run, step, owner="bench", kind=entry["kind"], ref=entry["ref"]
+                        )
+                        if reserved.ok and reserved.id is not None:
                             Res.filter(pk=reserved.id, status="pending").update(status="confirmed")
         for run, _ in made:
             EventRun.objects.transition(run, "completed", from_="running")
@@ -169,9 +214,14 @@ class Command(LedgerCommand):
                     by_step.setdefault(row.step_id, []).append(row)
                 for group in by_step.values():
                     # Two statements a resource: claim it, then write its verdict.
-                    claimed = [row for row in group
-                               if Res.filter(Q(pk=row.pk) & Q(status__in=("pending", "confirmed")))
-                               .update(status="reverting") == 1]
+                    claimed = [
+                        row
+                        for row in group
+                        if Res.filter(Q(pk=row.pk) & Q(status__in=("pending", "confirmed"))).update(
+                            status="reverting"
+                        )
+                        == 1
+                    ]
                     _noop_revert(resources=claimed)
                     for row in claimed:
                         Res.filter(pk=row.pk, status="reverting").update(status="reverted")
@@ -181,8 +231,9 @@ class Command(LedgerCommand):
     # ── idle sweep over history ──
 
     def _idle_sweeps(self, sizes: list[int]) -> dict[str, Any]:
-        holder = EventRun.objects.create(name="bench history", scope=SCOPE, status="completed",
-                                         cleanup_status="complete")
+        holder = EventRun.objects.create(
+            name="bench history", scope=SCOPE, status="completed", cleanup_status="complete"
+        )
         out: dict[str, Any] = {"sizes": {}}
         filled = 0
         for size in sorted(sizes):
@@ -210,35 +261,44 @@ class Command(LedgerCommand):
         if count <= 0:
             return
         table = EventRunResource._meta.db_table
-        cols = ("run_id, owner_module, kind, ref, status, revert_attempts, claim_count, created_at, updated_at")
+        cols = "run_id, owner_module, kind, ref, status, revert_attempts, claim_count, created_at, updated_at"
         vendor = connection.vendor
         with connection.cursor() as cursor:
             if vendor == "mysql" and connection.mysql_is_mariadb:
                 cursor.execute(
                     f"INSERT INTO {table} ({cols}) SELECT %s, 'bench', 'old', CONCAT('h-', seq), 'reverted', 0, 0, "
-                    f"UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) FROM seq_{start + 1}_to_{start + count}", [run_id])
+                    f"UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) FROM seq_{start + 1}_to_{start + count}",
+                    [run_id],
+                )
             elif vendor == "mysql":
                 cursor.execute("SET SESSION cte_max_recursion_depth = %s", [count + 10])
                 cursor.execute(
                     f"INSERT INTO {table} ({cols}) WITH RECURSIVE s(n) AS (SELECT %s UNION ALL SELECT n + 1 FROM s "
                     f"WHERE n < %s) SELECT %s, 'bench', 'old', CONCAT('h-', n), 'reverted', 0, 0, UTC_TIMESTAMP(6), "
-                    f"UTC_TIMESTAMP(6) FROM s", [start + 1, start + count, run_id])
+                    f"UTC_TIMESTAMP(6) FROM s",
+                    [start + 1, start + count, run_id],
+                )
             elif vendor == "postgresql":
                 cursor.execute(
                     f"INSERT INTO {table} ({cols}) SELECT %s, 'bench', 'old', 'h-' || n, 'reverted', 0, 0, now(), now() "
-                    f"FROM generate_series(%s, %s) AS n", [run_id, start + 1, start + count])
+                    f"FROM generate_series(%s, %s) AS n",
+                    [run_id, start + 1, start + count],
+                )
             else:
                 cursor.execute(
                     f"INSERT INTO {table} ({cols}) WITH RECURSIVE s(n) AS (SELECT %s UNION ALL SELECT n + 1 FROM s "
                     f"WHERE n < %s) SELECT %s, 'bench', 'old', 'h-' || n, 'reverted', 0, 0, "
                     f"STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now'), STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now') FROM s",
-                    [start + 1, start + count, run_id])
+                    [start + 1, start + count, run_id],
+                )
 
     def _analyze(self) -> None:
         with connection.cursor() as cursor:
             for model in (EventRunResource, EventRun):
                 table = model._meta.db_table
-                cursor.execute(f"ANALYZE TABLE {table}" if connection.vendor == "mysql" else f"ANALYZE {table}")
+                cursor.execute(
+                    f"ANALYZE TABLE {table}" if connection.vendor == "mysql" else f"ANALYZE {table}"
+                )
                 if connection.vendor == "mysql":
                     cursor.fetchall()
 
@@ -259,7 +319,7 @@ class Command(LedgerCommand):
                     cursor.execute("EXPLAIN " + sql)
                     names = [c[0] for c in cursor.description]
                     for row in cursor.fetchall():
-                        plan = dict(zip(names, row))
+                        plan = dict(zip(names, row, strict=True))
                         if plan.get("table") == table and plan.get("type") == "ALL":
                             found.append(sql[:120])
                 elif connection.vendor == "postgresql":
@@ -288,34 +348,56 @@ class Command(LedgerCommand):
         import os
 
         with connection.cursor() as cursor:
-            version = connection.Database.sqlite_version if connection.vendor == "sqlite" else (
-                connection.pg_version if connection.vendor == "postgresql" else
-                ".".join(map(str, connection.mysql_version)) + (" MariaDB" if connection.mysql_is_mariadb else ""))
+            version = (
+                connection.Database.sqlite_version
+                if connection.vendor == "sqlite"
+                else (
+                    connection.pg_version
+                    if connection.vendor == "postgresql"
+                    else ".".join(map(str, connection.mysql_version))
+                    + (" MariaDB" if connection.mysql_is_mariadb else "")
+                )
+            )
             del cursor
-        return {"database": connection.vendor, "version": str(version), "cpus": os.cpu_count(),
-                "python": platform.python_version(), "platform": platform.platform()}
+        return {
+            "database": connection.vendor,
+            "version": str(version),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        }
 
     def _print(self, r: dict[str, Any]) -> None:
         m, s = r["machine"], r["shape"]
         w = self.stdout.write
-        w(f"database: {m['database']} {m['version']} · {m['cpus']} CPUs · Python {m['python']} · {m['platform']}")
-        w(f"shape: {s['runs']} runs × {s['steps_per_run']} steps × {s['resources_per_step']} resources")
+        w(
+            f"database: {m['database']} {m['version']} · {m['cpus']} CPUs · Python {m['python']} · {m['platform']}"
+        )
+        w(
+            f"shape: {s['runs']} runs × {s['steps_per_run']} steps × {s['resources_per_step']} resources"
+        )
         w("")
         w(f"{'':28}{'resources/s':>14}{'statements/resource':>22}")
         for way, label in (("ledger", "ledger"), ("per_row", "per-row (original)")):
             for leg in ("recording", "giving_back"):
                 f = r[way][leg]
-                w(f"{label + ' ' + leg.replace('_', ' '):28}{f['per_s']:>14,.0f}{f['statements_per_resource']:>22.3f}")
+                w(
+                    f"{label + ' ' + leg.replace('_', ' '):28}{f['per_s']:>14,.0f}{f['statements_per_resource']:>22.3f}"
+                )
         w("")
-        w(f"ratio ledger / per-row: recording {r['ratio']['recording']:.1f}×, "
-          f"giving back {r['ratio']['giving_back']:.1f}×")
+        w(
+            f"ratio ledger / per-row: recording {r['ratio']['recording']:.1f}×, "
+            f"giving back {r['ratio']['giving_back']:.1f}×"
+        )
         if "idle_sweep" in r:
             w("")
             w("idle sweep (nothing to do) over historical rows:")
             for size, f in r["idle_sweep"]["sizes"].items():
                 scans = "none" if not f["full_scans"] else "; ".join(f["full_scans"])
-                w(f"  {int(size):>10,} rows: {f['sweep_ms_median']:.2f} ms median, {f['statements']:.0f} statements,"
-                  f" full scans of the resource table: {scans}")
+                w(
+                    f"  {int(size):>10,} rows: {f['sweep_ms_median']:.2f} ms median, {f['statements']:.0f} statements,"
+                    f" full scans of the resource table: {scans}"
+                )
             if r["idle_sweep"]["ratio"] is not None:
                 w(f"  ratio largest / smallest: {r['idle_sweep']['ratio']:.2f}")
 

@@ -19,7 +19,8 @@ class Command(LedgerCommand):
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--module", metavar="OWNER", help="Ask this module only.")
         parser.add_argument(
-            "--force", action="store_true",
+            "--force",
+            action="store_true",
             help="Orphan even when the answers would orphan more than RECONCILE_MAX_ORPHAN_FRACTION.",
         )
         self.add_json_argument(parser)
@@ -29,7 +30,9 @@ class Command(LedgerCommand):
         if owner is not None:
             if owner not in EventRunResource.objects.modules_with_live_rows():
                 known = ", ".join(EventRunResource.objects.modules_with_live_rows()) or "none"
-                raise self.bad_input(f"The module {owner!r} has no live rows (modules with live rows: {known}).")
+                raise self.bad_input(
+                    f"The module {owner!r} has no live rows (modules with live rows: {known})."
+                )
             results = {owner: reconcile_module(owner, force=opts["force"])}
         else:
             results = reconcile_all(force=opts["force"])
@@ -40,8 +43,10 @@ class Command(LedgerCommand):
             if not results:
                 self.stdout.write("no module has live rows")
             for name, s in results.items():
-                line = (f"{name}: asked {s.asked}, in force {s.in_force}, orphaned {s.orphaned}, "
-                        f"unanswered {s.unanswered}")
+                line = (
+                    f"{name}: asked {s.asked}, in force {s.in_force}, orphaned {s.orphaned}, "
+                    f"unanswered {s.unanswered}"
+                )
                 self.stdout.write(self.style.ERROR(line) if s.held_back else line)
                 if s.reason:
                     self.stdout.write(f"  {s.reason}")

@@ -4,55 +4,73 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Announcement',
+            name="Announcement",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('text', models.CharField(max_length=200)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("text", models.CharField(max_length=200)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
         ),
         migrations.CreateModel(
-            name='Call',
+            name="Call",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('verb', models.CharField(max_length=32)),
-                ('idempotency_key', models.CharField(blank=True, default='', max_length=64)),
-                ('refs', models.JSONField(default=list)),
-                ('pid', models.IntegerField(default=0)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("verb", models.CharField(max_length=32)),
+                ("idempotency_key", models.CharField(blank=True, default="", max_length=64)),
+                ("refs", models.JSONField(default=list)),
+                ("pid", models.IntegerField(default=0)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
         ),
         migrations.CreateModel(
-            name='Creature',
+            name="Creature",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('serial', models.CharField(max_length=32, unique=True)),
-                ('kind', models.CharField(max_length=32)),
-                ('region', models.CharField(max_length=32)),
-                ('spawned_by', models.CharField(db_index=True, max_length=64)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("serial", models.CharField(max_length=32, unique=True)),
+                ("kind", models.CharField(max_length=32)),
+                ("region", models.CharField(max_length=32)),
+                ("spawned_by", models.CharField(db_index=True, max_length=64)),
             ],
         ),
         migrations.CreateModel(
-            name='RegionSetting',
+            name="RegionSetting",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('region', models.CharField(max_length=32, unique=True)),
-                ('spawn_rate', models.IntegerField(default=1)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("region", models.CharField(max_length=32, unique=True)),
+                ("spawn_rate", models.IntegerField(default=1)),
             ],
         ),
         migrations.CreateModel(
-            name='Switch',
+            name="Switch",
             fields=[
-                ('name', models.CharField(max_length=64, primary_key=True, serialize=False)),
-                ('value', models.JSONField(null=True)),
+                ("name", models.CharField(max_length=64, primary_key=True, serialize=False)),
+                ("value", models.JSONField(null=True)),
             ],
         ),
     ]

@@ -22,7 +22,9 @@ ROOT = Path(settings.BASE_DIR).parent
 
 
 class Command(BaseCommand):
-    help = "Run the demo scenario: a run changes the world, is aborted, and everything is given back."
+    help = (
+        "Run the demo scenario: a run changes the world, is aborted, and everything is given back."
+    )
 
     def handle(self, *args: Any, **opts: Any) -> None:
         self.out = self.stdout.write
@@ -39,14 +41,21 @@ class Command(BaseCommand):
         run = EventRun.objects.create(name="Full moon", scope="demo", status="running")
         self.step(run, 1, "world.spawn", {"region": "north", "count": 3, "kind": "wolf"})
         world.switch_on("spawn.lose_answer", 1)
-        lost = self.step(run, 2, "world.spawn", {"region": "south", "count": 2, "kind": "bat"},
-                         note="the answer is lost on the way back")
+        lost = self.step(
+            run,
+            2,
+            "world.spawn",
+            {"region": "south", "count": 2, "kind": "bat"},
+            note="the answer is lost on the way back",
+        )
         self.step(run, 3, "core.lease", {"lease": "world.spawn_rate#north", "value": 5})
         self.out("")
         self.show_world()
         self.show_ledger(run)
-        self.out(f"The lost spawn's bats are in the world, but only its placeholder (@step, keyed by "
-                 f"{lost.idempotency_key[:8]}…) is on the ledger: rule 1, recorded before the world changed.")
+        self.out(
+            f"The lost spawn's bats are in the world, but only its placeholder (@step, keyed by "
+            f"{lost.idempotency_key[:8]}…) is on the ledger: rule 1, recorded before the world changed."
+        )
 
         self.title("3. The run is aborted; the cron gives everything back")
         EventRun.objects.transition(run, "cancelled", from_="running")
@@ -55,8 +64,10 @@ class Command(BaseCommand):
         self.show_ledger(run)
         call = Call.objects.filter(verb="despawn", idempotency_key=lost.idempotency_key).first()
         if call is not None:
-            self.out(f"The lost spawn was reverted by its idempotency key: despawn(key={lost.idempotency_key[:8]}…, "
-                     f"resources={call.refs}).")
+            self.out(
+                f"The lost spawn was reverted by its idempotency key: despawn(key={lost.idempotency_key[:8]}…, "
+                f"resources={call.refs})."
+            )
         self.verdict(world.snapshot() == start, "the world equals its starting state")
 
         self.title("4. Rule 2: a revert that keeps failing stays loud")
@@ -70,8 +81,10 @@ class Command(BaseCommand):
             self.cron("cleanup_runs")
         self.show_ledger(run2)
         run2.refresh_from_db()
-        self.out(f"cleanup status: {run2.cleanup_status}. The sweep will not try again; the rows keep their "
-                 "last error until a human acts.")
+        self.out(
+            f"cleanup status: {run2.cleanup_status}. The sweep will not try again; the rows keep their "
+            "last error until a human acts."
+        )
         self.out("\nThe operator fixes the region, then retries by hand:")
         world.switch_off()
         self.cron("cleanup_runs", "--run", str(run2.pk), "--reset-attempts", "--actor", "operator")
@@ -85,7 +98,9 @@ class Command(BaseCommand):
 
     # ── steps and the cron ──
 
-    def step(self, run: EventRun, seq: int, action: str, params: dict[str, Any], note: str = "") -> EventRunStep:
+    def step(
+        self, run: EventRun, seq: int, action: str, params: dict[str, Any], note: str = ""
+    ) -> EventRunStep:
         step = EventRunStep.objects.create(run=run, seq=seq, action_id=action, params=params)
         result = execute_step(step)
         what = f"{action} {params}"
@@ -95,8 +110,13 @@ class Command(BaseCommand):
 
     def cron(self, *argv: str) -> int:
         self.out(self.style.MIGRATE_HEADING(f"$ python manage.py {' '.join(argv)}"))
-        proc = subprocess.run([sys.executable, str(ROOT / "manage.py"), *argv], cwd=ROOT,
-                              env=os.environ.copy(), capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "manage.py"), *argv],
+            cwd=ROOT,
+            env=os.environ.copy(),
+            capture_output=True,
+            text=True,
+        )
         for line in (proc.stdout + proc.stderr).rstrip().splitlines():
             self.out(f"  {line}")
         self.out(f"  (exit status {proc.returncode})")
@@ -114,10 +134,12 @@ class Command(BaseCommand):
             raise SystemExit(1)
 
     def table(self, headers: list[str], rows: list[list[Any]]) -> None:
-        cells = [[str(c) for c in headers]] + [[("" if c is None else str(c)) for c in r] for r in rows]
+        cells = [[str(c) for c in headers]] + [
+            [("" if c is None else str(c)) for c in r] for r in rows
+        ]
         widths = [min(48, max(len(r[i]) for r in cells)) for i in range(len(headers))]
         for n, row in enumerate(cells):
-            self.out("  " + "  ".join(c[:48].ljust(w) for c, w in zip(row, widths)))
+            self.out("  " + "  ".join(c[:48].ljust(w) for c, w in zip(row, widths, strict=True)))
             if n == 0:
                 self.out("  " + "  ".join("-" * w for w in widths))
         if len(cells) == 1:
@@ -131,18 +153,30 @@ class Command(BaseCommand):
 
     def show_ledger(self, run: EventRun) -> None:
         run.refresh_from_db()
-        self.out(f"  ledger of run {run.pk} '{run.name}' ({run.status}, cleanup {run.cleanup_status})")
+        self.out(
+            f"  ledger of run {run.pk} '{run.name}' ({run.status}, cleanup {run.cleanup_status})"
+        )
         rows = EventRunResource.objects.for_run(run)
         self.table(
             ["kind", "ref", "status", "attempts", "last error"],
-            [[r.kind, r.ref if len(r.ref) < 20 else r.ref[:8] + "…", r.status, r.revert_attempts, r.last_error]
-             for r in rows],
+            [
+                [
+                    r.kind,
+                    r.ref if len(r.ref) < 20 else r.ref[:8] + "…",
+                    r.status,
+                    r.revert_attempts,
+                    r.last_error,
+                ]
+                for r in rows
+            ],
         )
 
     def demo_user(self) -> str:
         password = secrets.token_urlsafe(9)
         User = get_user_model()
-        user, _ = User.objects.get_or_create(username="demo", defaults={"is_staff": True, "is_superuser": True})
+        user, _ = User.objects.get_or_create(
+            username="demo", defaults={"is_staff": True, "is_superuser": True}
+        )
         user.is_staff = user.is_superuser = True
         user.set_password(password)
         user.save()
