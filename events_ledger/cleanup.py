@@ -418,9 +418,10 @@ def sweep(limit: int | None = None, should_stop: Callable[[], bool] | None = Non
         except Exception as exc:
             logger.exception("cleanup of run %s failed", run.pk)
             report.errors[run.pk] = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, DatabaseError) and is_connection_lost(exc):
-                # The server went away: reconnect for the next run. What this run
-                # wrote before is fenced, so a retry on the next pass is safe.
+            if isinstance(exc, DatabaseError) and (is_connection_lost(exc) or not _usable()):
+                # The server went away ("gone away", a lost or killed connection): the
+                # next run gets a new connection. A verdict whose answer was lost is
+                # fenced by its claim, so the row is simply reclaimed after the TTL.
                 connection.close()
                 continue
             try:
@@ -428,6 +429,13 @@ def sweep(limit: int | None = None, should_stop: Callable[[], bool] | None = Non
             except DatabaseError:
                 connection.close()
     return report
+
+
+def _usable() -> bool:
+    try:
+        return connection.connection is not None and connection.is_usable()
+    except Exception:
+        return False
 
 
 # ── C6 ──

@@ -666,3 +666,68 @@ def test_four_sweepers_over_fifty_runs_revert_everything_exactly_once(world, ven
         )
     ) == {"complete"}
     assert len(set(Call.objects.values_list("pid", flat=True))) > 1  # they really raced
+
+
+@world_db
+def test_a_sweep_survives_its_connection_dying_mid_run(
+    isolated_registry, vendor
+):  # C5, connections die
+    if vendor == "sqlite":
+        pytest.skip("an embedded database has no server to lose")
+    from django.db import connections
+
+    with connection.cursor() as c:
+        c.execute("SELECT CONNECTION_ID()" if vendor == "mysql" else "SELECT pg_backend_pid()")
+        sweeper_session = c.fetchone()[0]
+
+    def revert_and_kill_the_sweepers_connection(**kw):
+        # The module answers, but the server drops the sweeper's session before the verdict.
+        with connections["default"].cursor() as c:
+            if vendor == "mysql":
+                c.execute("KILL CONNECTION %s", [sweeper_session])
+            else:
+                c.execute("SELECT pg_terminate_backend(%s)", [sweeper_session])
+        return {"ok": True}
+
+    isolated_registry.register_action(
+        Action(
+            id="t.kill",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=revert_and_kill_the_sweepers_connection,
+        )
+    )
+    isolated_registry.register_action(
+        Action(
+            id="t.make",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=lambda **kw: {"ok": True},
+        )
+    )
+    doomed = RunFactory(status="completed", cleanup_status="pending")
+    ResourceFactory(run=doomed, step=new_step(doomed, "t.kill"), owner_module="t")
+    fine = RunFactory(status="completed", cleanup_status="pending")
+    ResourceFactory(run=fine, step=new_step(fine, "t.make"), owner_module="t")
+    report = sweep()
+    assert doomed.pk in report.errors
+    assert [s.run_id for s in report.runs] == [fine.pk]
+    fine.refresh_from_db()
+    assert fine.cleanup_status == "complete"
+    # The lost verdict's row stays claimed, and is finished after the TTL.
+    row = Res.get(run=doomed)
+    assert row.status == "reverting" and row.revert_attempts == 0
+    isolated_registry.actions.pop("t.kill")
+    isolated_registry.register_action(
+        Action(
+            id="t.kill",
+            owner="t",
+            reversible="ledger",
+            perform=lambda **kw: None,
+            revert=lambda **kw: {"ok": True},
+        )
+    )
+    age_rows(EventRunResource, [row.pk], seconds=3600)
+    assert sweep().runs[0].cleanup_status == "complete"
