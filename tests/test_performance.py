@@ -51,6 +51,7 @@ def test_ledger_bench_runs_and_cleans_up_after_itself():  # bench
     assert set(doc["idle_sweep"]["sizes"]) == {"200", "20000"}
     # EXPLAIN of every statement of an idle sweep over 20,000 historical rows.
     assert doc["idle_sweep"]["sizes"]["20000"]["full_scans"] == []
+    assert set(doc["idle_sweep"]["ratio"]) == {"idle_sweep", "reconcile_scan", "console_run_list"}
     assert not EventRun.objects.exists() and not EventRunResource.objects.exists()
 
 
