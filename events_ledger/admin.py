@@ -6,7 +6,7 @@ import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
@@ -23,6 +23,7 @@ from django.utils.html import format_html
 from .cleanup import Group, RunNotTerminal, cleanup_run, plan_run, reconcile_module
 from .conf import ledger_settings
 from .models import EventRun, EventRunResource
+from .querysets import EventRunQuerySet, EventRunResourceQuerySet
 from .states import UNRESOLVED
 
 logger = logging.getLogger("events_ledger")
@@ -47,13 +48,18 @@ def when_cell(value: datetime | None) -> str:
     if value is None:
         return "–"
     local = timezone.localtime(value)
-    return format_html('<span class="el-nowrap">{}</span> <span class="el-nowrap">{}</span>',
-                       date_format(local, "Y-m-d"), date_format(local, "H:i:s"))
+    return format_html(
+        '<span class="el-nowrap">{}</span> <span class="el-nowrap">{}</span>',
+        date_format(local, "Y-m-d"),
+        date_format(local, "H:i:s"),
+    )
 
 
 def as_json(value: Any, indent: int | None = None) -> str:
     """Module payloads and log details as text; templates escape it (never mark_safe)."""
-    return json.dumps(value, cls=DjangoJSONEncoder, sort_keys=True, indent=indent, ensure_ascii=False)
+    return json.dumps(
+        value, cls=DjangoJSONEncoder, sort_keys=True, indent=indent, ensure_ascii=False
+    )
 
 
 def claim_stamp(row: EventRunResource) -> datetime | None:
@@ -69,7 +75,7 @@ def find_group(row: EventRunResource) -> tuple[Group | None, list[Group]]:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """"Why is this stuck?" for one ledger row."""
+    """The answer to "why is this stuck?" for one ledger row."""
 
     row: EventRunResource
     unresolved: bool
@@ -87,15 +93,22 @@ def diagnose(row: EventRunResource) -> Diagnosis:
     if not unresolved:
         note = f"Nothing: this row is {row.status}, its target is released."
     elif group is None:
-        note = (f"Not in the next retry: a pass calls at most {len(plan)} groups "
-                "(CLEANUP_GROUPS_PER_RUN); it comes in a later one.")
+        note = (
+            f"Not in the next retry: a pass calls at most {len(plan)} groups "
+            "(CLEANUP_GROUPS_PER_RUN); it comes in a later one."
+        )
     elif not row.run.is_terminal:
         note = f"The run is still {row.run.status}: cleanup starts when it ends. It would call:"
     else:
         note = "Retry cleanup of its run would reset its attempts and call:"
-    return Diagnosis(row=row, unresolved=unresolved, claim_stale=stale,
-                     call=group.call if group else None, problem=group.problem if group else None,
-                     note=note)
+    return Diagnosis(
+        row=row,
+        unresolved=unresolved,
+        claim_stale=stale,
+        call=group.call if group else None,
+        problem=group.problem if group else None,
+        note=note,
+    )
 
 
 class LedgerAdmin(admin.ModelAdmin):
@@ -122,23 +135,26 @@ class LedgerAdmin(admin.ModelAdmin):
 
 @admin.register(EventRun)
 class EventRunAdmin(LedgerAdmin):
-    list_display = ("id", "run_name", "status_pill", "cleanup_pill", "unresolved", "created", "finished")
-    list_display_links = ("id", "run_name")
+    list_display = ("run_name", "status_pill", "cleanup_pill", "unresolved", "created")
+    list_display_links = ("run_name",)
     list_filter = ("status", "cleanup_status")
     search_fields = ("name", "scope")
     ordering = ("-id",)
     # No foreign keys to join: the one per-row number comes from the annotation.
     list_select_related = False
     actions = ["retry_cleanup"]
-    fields = (("name", "scope"), ("status_pill", "cleanup_pill", "unresolved"),
-              ("created_at", "started_at", "finished_at", "updated_at"))
+    fields = (
+        ("name", "scope"),
+        ("status_pill", "cleanup_pill", "unresolved"),
+        ("created_at", "started_at", "finished_at", "updated_at"),
+    )
     readonly_fields = ("status_pill", "cleanup_pill", "unresolved")
     change_form_template = "events_ledger/admin/eventrun_change_form.html"
     change_list_template = "events_ledger/admin/change_list.html"
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[EventRun]:
         # S3: the count in the same query as the runs, never one query per row.
-        return super().get_queryset(request).with_unresolved_count()
+        return cast(EventRunQuerySet, super().get_queryset(request)).with_unresolved_count()
 
     def has_delete_permission(self, request: HttpRequest, obj: EventRun | None = None) -> bool:
         # The FK is PROTECT too; here the button is not even offered.
@@ -146,11 +162,16 @@ class EventRunAdmin(LedgerAdmin):
             return False
         return super().has_delete_permission(request, obj)
 
-    @admin.display(description="name", ordering="name")
+    @admin.display(description="run", ordering="id")
     def run_name(self, run: EventRun) -> str:
-        # The scope under the name: one column less, so the list fits beside its filters.
-        return format_html('{}<br><span class="el-quiet">{}</span>', run.name, run.scope) if run.scope \
-            else run.name
+        # Id and scope under the name: fewer columns, so the list fits beside its filters.
+        return format_html(
+            '{}<br><span class="el-quiet">#{}{}{}</span>',
+            run.name,
+            run.pk,
+            " · " if run.scope else "",
+            run.scope,
+        )
 
     @admin.display(description="status", ordering="status")
     def status_pill(self, run: EventRun) -> str:
@@ -160,13 +181,16 @@ class EventRunAdmin(LedgerAdmin):
     def cleanup_pill(self, run: EventRun) -> str:
         return pill(run.cleanup_status)
 
-    @admin.display(description="created", ordering="created_at")
+    @admin.display(description="created → finished", ordering="created_at")
     def created(self, run: EventRun) -> str:
-        return when_cell(run.created_at)
-
-    @admin.display(description="finished", ordering="finished_at")
-    def finished(self, run: EventRun) -> str:
-        return when_cell(run.finished_at)
+        # One column for both, so the list fits beside its filters at 1280 pixels.
+        start, end = run.created_at, run.finished_at
+        same_day = end is not None and timezone.localdate(start) == timezone.localdate(end)
+        return format_html(
+            '<span class="el-nowrap">{}</span><br><span class="el-nowrap el-quiet">→ {}</span>',
+            when(start, "Y-m-d H:i"),
+            when(end, "H:i" if same_day else "Y-m-d H:i"),
+        )
 
     @admin.display(description="unresolved", ordering="unresolved_count")
     def unresolved(self, run: EventRun) -> str:
@@ -176,21 +200,29 @@ class EventRunAdmin(LedgerAdmin):
         if not count:
             return "0"
         url = reverse("admin:events_ledger_eventrunresource_changelist")
-        return format_html('<a href="{}?run__id__exact={}&amp;resolution=unresolved">{}</a>',
-                           url, run.pk, count)
+        return format_html(
+            '<a href="{}?run__id__exact={}&amp;resolution=unresolved">{}</a>', url, run.pk, count
+        )
 
-    def render_change_form(self, request: HttpRequest, context: dict[str, Any], add: bool = False,
-                           change: bool = False, form_url: str = "", obj: EventRun | None = None
-                           ) -> HttpResponse:
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: EventRun | None = None,
+    ) -> HttpResponse:
         if obj is not None:
             rows = list(Res.for_run(obj)[:PAGE_LIMIT])
             log = list(obj.log.order_by("-created_at", "-pk")[:PAGE_LIMIT])
+            incomplete = obj.cleanup_status == "incomplete"
             context.update(
                 steps=obj.steps.all(),
                 ledger=[(r, when(claim_stamp(r)) if r.status == "reverting" else "") for r in rows],
                 ledger_total=Res.filter(run=obj).count(),
                 log=[(e, as_json(e.detail)) for e in log],
-                stuck=list(Res.unresolved_for_run(obj)) if obj.cleanup_status == "incomplete" else [],
+                stuck=list(Res.unresolved_for_run(obj)) if incomplete else [],
                 can_retry=self.has_retry_cleanup_permission(request) and obj.is_terminal,
                 page_limit=PAGE_LIMIT,
             )
@@ -199,7 +231,9 @@ class EventRunAdmin(LedgerAdmin):
     # ── the human retry (C4 with reset_attempts) ──
 
     @admin.action(permissions=["retry_cleanup"], description="Retry cleanup (reset attempts)")
-    def retry_cleanup(self, request: HttpRequest, queryset: QuerySet[EventRun]) -> HttpResponse | None:
+    def retry_cleanup(
+        self, request: HttpRequest, queryset: QuerySet[EventRun]
+    ) -> HttpResponse | None:
         """Modelled on delete_selected: a confirmation page with the plan, then the retry."""
         runs = list(queryset.order_by("pk"))
         if request.POST.get("post"):
@@ -211,14 +245,17 @@ class EventRunAdmin(LedgerAdmin):
             "title": "Retry cleanup",
             "subtitle": None,
             "opts": self.opts,
-            "runs": [(run, plan_run(run, reset_attempts=True) if run.is_terminal else None)
-                     for run in runs],
+            "runs": [
+                (run, plan_run(run, reset_attempts=True) if run.is_terminal else None)
+                for run in runs
+            ],
             "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
             "max_attempts": ledger_settings.MAX_REVERT_ATTEMPTS,
             "media": self.media,
         }
         request.current_app = self.admin_site.name
-        return TemplateResponse(request, "events_ledger/admin/retry_cleanup_confirmation.html", context)
+        template = "events_ledger/admin/retry_cleanup_confirmation.html"
+        return TemplateResponse(request, template, context)
 
     def _retry_one(self, request: HttpRequest, run: EventRun) -> None:
         try:
@@ -228,34 +265,42 @@ class EventRunAdmin(LedgerAdmin):
             return
         except Exception as exc:  # one run's failure must not hide the others' results
             logger.exception("retry of run %s failed", run.pk)
-            self.message_user(request, f"run {run.pk}: the retry failed: {type(exc).__name__}: {exc}",
-                              messages.ERROR)
+            failure = f"run {run.pk}: the retry failed: {type(exc).__name__}: {exc}"
+            self.message_user(request, failure, messages.ERROR)
             return
-        level = {"complete": messages.SUCCESS, "pending": messages.WARNING}.get(s.cleanup_status,
-                                                                                 messages.ERROR)
-        text = (f"run {run.pk} {run.name}: reverted {s.reverted}, drifted {s.drifted}, failed {s.failed}, "
-                f"remaining {s.remaining} → cleanup {s.cleanup_status}")
+        levels = {"complete": messages.SUCCESS, "pending": messages.WARNING}
+        text = (
+            f"run {run.pk} {run.name}: reverted {s.reverted}, drifted {s.drifted}, "
+            f"failed {s.failed}, remaining {s.remaining} → cleanup {s.cleanup_status}"
+        )
         if s.errors:
             text += f" ({'; '.join(s.errors[:3])})"
-        self.message_user(request, text, level)
+        self.message_user(request, text, levels.get(s.cleanup_status, messages.ERROR))
 
     # ── POST /admin/events_ledger/eventrun/<id>/cleanup/ ──
 
     def get_urls(self) -> list[Any]:
         info = self.opts.app_label, self.opts.model_name
-        own = [path("<path:object_id>/cleanup/", self.admin_site.admin_view(self.cleanup_view),
-                    name="%s_%s_cleanup" % info)]
+        own = [
+            path(
+                "<path:object_id>/cleanup/",
+                self.admin_site.admin_view(self.cleanup_view),
+                name="{}_{}_cleanup".format(*info),
+            )
+        ]
         return own + super().get_urls()  # before the admin's catch-all <path:object_id>/
 
     def cleanup_view(self, request: HttpRequest, object_id: str) -> JsonResponse:
         """One run's manual cleanup, answering JSON. admin_view has already required an
         active staff user (else a redirect to the login page) and a CSRF token."""
         if request.method != "POST":
-            return JsonResponse({"ok": False, "error": "POST only"}, status=405, headers={"Allow": "POST"})
+            return JsonResponse(
+                {"ok": False, "error": "POST only"}, status=405, headers={"Allow": "POST"}
+            )
         # Re-checked here: a URL is not an action, nothing filtered it by permission.
         if not self.has_retry_cleanup_permission(request):
-            return JsonResponse({"ok": False, "error": "permission events_ledger.retry_cleanup required"},
-                                status=403)
+            error = "permission events_ledger.retry_cleanup required"
+            return JsonResponse({"ok": False, "error": error}, status=403)
         run = self.get_object(request, unquote(object_id))
         if run is None:
             return JsonResponse({"ok": False, "error": f"no run {object_id}"}, status=404)
@@ -278,7 +323,7 @@ class ResolutionFilter(admin.SimpleListFilter):
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         if self.value() == "unresolved":
-            return queryset.unresolved()
+            return cast(EventRunResourceQuerySet, queryset).unresolved()
         if self.value() == "released":
             return queryset.exclude(status__in=UNRESOLVED)
         return queryset
@@ -286,16 +331,23 @@ class ResolutionFilter(admin.SimpleListFilter):
 
 @admin.register(EventRunResource)
 class EventRunResourceAdmin(LedgerAdmin):
-    list_display = ("id", "run_link", "owner_module", "kind", "ref", "status_pill", "revert_attempts",
-                    "error", "claimed_since", "updated")
+    list_display = ("resource", "run_link", "status_pill", "attempts", "error", "claimed_since")
+    list_display_links = ("resource",)
     list_filter = (ResolutionFilter, "status", "owner_module")
     list_select_related = ("run",)
     search_fields = ("ref", "kind", "run__name")
     ordering = ("-id",)
     actions = ["reconcile"]
-    fields = (("run", "step"), ("owner_module", "kind", "ref"), ("status", "revert_attempts", "claim_count"),
-              "last_error", ("claim_token", "claimed_since"), ("lease_until", "member_key"),
-              "payload_json", ("created_at", "updated_at"))
+    fields = (
+        ("run", "step"),
+        ("owner_module", "kind", "ref"),
+        ("status", "revert_attempts", "claim_count"),
+        "last_error",
+        ("claim_token", "claimed_since"),
+        ("lease_until", "member_key"),
+        "payload_json",
+        ("created_at", "updated_at"),
+    )
     readonly_fields = ("claimed_since", "payload_json")
     change_form_template = "events_ledger/admin/eventrunresource_change_form.html"
     change_list_template = "events_ledger/admin/change_list.html"
@@ -306,10 +358,29 @@ class EventRunResourceAdmin(LedgerAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[EventRunResource]:
         return super().get_queryset(request).select_related("run", "step")
 
+    @admin.display(description="resource", ordering="id")
+    def resource(self, row: EventRunResource) -> str:
+        return format_html(
+            '<code>{}:{}</code><br><span class="el-quiet">#{} · {}</span>',
+            row.kind,
+            row.ref,
+            row.pk,
+            row.owner_module,
+        )
+
     @admin.display(description="run", ordering="run")
     def run_link(self, row: EventRunResource) -> str:
         url = reverse("admin:events_ledger_eventrun_change", args=[row.run_id])
-        return format_html('<a href="{}">{}</a>', url, row.run)
+        return format_html(
+            '<a href="{}">run {}</a><br><span class="el-quiet">{}</span>',
+            url,
+            row.run_id,
+            row.run.name,
+        )
+
+    @admin.display(description="attempts", ordering="revert_attempts")
+    def attempts(self, row: EventRunResource) -> int:
+        return row.revert_attempts
 
     @admin.display(description="status", ordering="status")
     def status_pill(self, row: EventRunResource) -> str:
@@ -320,22 +391,24 @@ class EventRunResourceAdmin(LedgerAdmin):
         text = row.last_error or ""
         return text if len(text) <= 80 else text[:79] + "…"
 
-    @admin.display(description="claimed since")
+    @admin.display(description="claimed")
     def claimed_since(self, row: EventRunResource) -> str:
         stamp = claim_stamp(row)
         return when_cell(stamp) if stamp else ""
-
-    @admin.display(description="updated", ordering="updated_at")
-    def updated(self, row: EventRunResource) -> str:
-        return when_cell(row.updated_at)
 
     @admin.display(description="payload")
     def payload_json(self, row: EventRunResource) -> str:
         return format_html('<pre class="el-json">{}</pre>', as_json(row.payload, indent=1))
 
-    def render_change_form(self, request: HttpRequest, context: dict[str, Any], add: bool = False,
-                           change: bool = False, form_url: str = "", obj: EventRunResource | None = None
-                           ) -> HttpResponse:
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: EventRunResource | None = None,
+    ) -> HttpResponse:
         if obj is not None:
             context.update(
                 diagnosis=diagnose(obj),
@@ -344,16 +417,21 @@ class EventRunResourceAdmin(LedgerAdmin):
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
 
-    @admin.action(permissions=["reconcile_resources"], description="Reconcile the selected resources' modules")
+    @admin.action(
+        permissions=["reconcile_resources"], description="Reconcile the selected resources' modules"
+    )
     def reconcile(self, request: HttpRequest, queryset: QuerySet[EventRunResource]) -> None:
         """C6 for each owner module among the selection; never forced from here (the
         orphan bound holds; `reconcile_resources --force` is the deliberate override)."""
         owners = sorted(set(queryset.order_by().values_list("owner_module", flat=True).distinct()))
         for owner in owners:
             s = reconcile_module(owner)
-            text = (f"{owner}: asked {s.asked}, in force {s.in_force}, orphaned {s.orphaned}, "
-                    f"unanswered {s.unanswered}")
+            text = (
+                f"{owner}: asked {s.asked}, in force {s.in_force}, orphaned {s.orphaned}, "
+                f"unanswered {s.unanswered}"
+            )
             if s.held_back:
                 self.message_user(request, f"{text}. Held back: {s.reason}", messages.WARNING)
             else:
-                self.message_user(request, text, messages.WARNING if s.unanswered else messages.SUCCESS)
+                level = messages.WARNING if s.unanswered else messages.SUCCESS
+                self.message_user(request, text, level)

@@ -1,0 +1,442 @@
+"""The console (SPEC S3): runs, their ledger and log, the human retry, reconcile, the endpoint."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.html import escape
+
+from events_ledger.ledger import execute_step
+from events_ledger.models import EventRun, EventRunLog, EventRunResource
+from project.world.models import Creature
+from tests.conftest import age_rows
+from tests.factories import ResourceFactory, RunFactory, StepFactory
+from tests.helpers import new_run, spawn_step
+
+Res = EventRunResource.objects
+world_db = pytest.mark.django_db(transaction=True)
+ROLES = ["anonymous", "staff", "permitted", "superuser"]
+ALLOWED = {"anonymous": False, "staff": False, "permitted": True, "superuser": True}
+
+
+def runs_url() -> str:
+    return reverse("admin:events_ledger_eventrun_changelist")
+
+
+def resources_url() -> str:
+    return reverse("admin:events_ledger_eventrunresource_changelist")
+
+
+def run_url(run: EventRun) -> str:
+    return reverse("admin:events_ledger_eventrun_change", args=[run.pk])
+
+
+def row_url(row: EventRunResource) -> str:
+    return reverse("admin:events_ledger_eventrunresource_change", args=[row.pk])
+
+
+def endpoint(pk: int) -> str:
+    return reverse("admin:events_ledger_eventrun_cleanup", args=[pk])
+
+
+def login(role: str, client: Client | None = None) -> Client:
+    """anonymous; staff who may view the console; staff with the app's permissions too;
+    a superuser."""
+    client = client or Client()
+    if role == "anonymous":
+        return client
+    user = User.objects.create_user(
+        role, password="pw", is_staff=True, is_superuser=role == "superuser"
+    )
+    codenames = ["view_eventrun", "view_eventrunresource"]
+    if role == "permitted":
+        codenames += ["retry_cleanup", "reconcile_resources"]
+    user.user_permissions.add(
+        *Permission.objects.filter(content_type__app_label="events_ledger", codename__in=codenames)
+    )
+    client.force_login(user)
+    return client
+
+
+def messages_of(resp) -> list[str]:
+    return [str(m) for m in resp.context["messages"]]
+
+
+def action_choices(resp) -> list[str]:
+    form = resp.context["action_form"]  # None when the user may run no action at all
+    return [name for name, _ in form.fields["action"].choices] if form else []
+
+
+def incomplete_run(**kw) -> EventRun:
+    """A finished run whose one row has spent its attempts. No module owns the row, so
+    a retry runs without the world (and fails again: nothing records its action)."""
+    run = RunFactory(status="completed", cleanup_status="incomplete", **kw)
+    ResourceFactory(run=run, revert_attempts=3, last_error="the shard refused")
+    return run
+
+
+def reconcile(client: Client, row: EventRunResource):
+    data = {"action": "reconcile", "index": 0, "_selected_action": [row.pk]}
+    return client.post(resources_url(), data, follow=True)
+
+
+def retry(client: Client, run: EventRun, confirm: bool = True, **extra):
+    data = {"action": "retry_cleanup", "_selected_action": [run.pk]}
+    data.update({"post": "yes"} if confirm else {"index": 0})
+    return client.post(runs_url(), data, follow=confirm, **extra)
+
+
+# ── what an operator sees ──
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url", [runs_url, resources_url], ids=["runs", "resources"])
+def test_changelist_query_count_does_not_grow_with_runs(admin_client, url):  # S3
+    def make(n: int) -> None:
+        for _ in range(n):
+            run = RunFactory(status="completed", cleanup_status="pending")
+            ResourceFactory.create_batch(2, run=run)
+            ResourceFactory(run=run, status="reverted")
+
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as ctx:
+            assert admin_client.get(url()).status_code == 200
+        return len(ctx.captured_queries)
+
+    make(5)
+    five = queries()
+    make(45)
+    assert EventRun.objects.count() == 50
+    assert queries() == five
+
+
+@pytest.mark.django_db
+def test_runs_changelist_shows_the_unresolved_count_filters_and_search(admin_client):  # S3, R4
+    stuck = incomplete_run(name="Full moon", scope="north")
+    ResourceFactory(run=stuck, status="reverted")
+    RunFactory(name="Bat swarm", scope="south", status="failed")
+    resp = admin_client.get(runs_url())
+    assert f'?run__id__exact={stuck.pk}&amp;resolution=unresolved">1</a>' in resp.content.decode()
+
+    def count(query: str) -> int:
+        return admin_client.get(runs_url() + query).context["cl"].result_count
+
+    assert count("?status__exact=failed") == 1
+    assert count("?cleanup_status__exact=incomplete") == 1
+    assert count("?q=moon") == 1 and count("?q=south") == 1 and count("?q=nothing") == 0
+
+
+@pytest.mark.django_db
+def test_resources_changelist_is_what_is_stuck_right_now(admin_client):  # S3
+    run = incomplete_run()
+    ResourceFactory(run=run, status="reverted")
+    ResourceFactory(owner_module="other", status="orphaned")
+    resp = admin_client.get(resources_url() + "?resolution=unresolved")
+    assert resp.context["cl"].result_count == 2
+    assert run_url(run) in resp.content.decode()  # the run is linked
+
+    def count(query: str) -> int:
+        return admin_client.get(resources_url() + query).context["cl"].result_count
+
+    assert count("?owner_module=other") == 1
+    assert count("?status__exact=reverted") == 1
+    assert count(f"?run__id__exact={run.pk}") == 2
+
+
+@pytest.mark.django_db
+def test_run_page_shows_steps_ledger_and_log_newest_first(admin_client):  # S3, C7
+    run = RunFactory(status="completed", cleanup_status="pending")
+    step = StepFactory(run=run, action_id="world.spawn")
+    claimed = ResourceFactory(run=run, step=step, status="reverting", ref="0xclaimed")
+    ResourceFactory(run=run, step=step, status="confirmed", ref="0xidle", last_error="locked")
+    now = timezone.now()
+    EventRunLog.objects.create(run=run, kind="older.entry", created_at=now - timedelta(minutes=5))
+    EventRunLog.objects.create(run=run, kind="newer.entry", created_at=now)
+    html = admin_client.get(run_url(run)).content.decode()
+    assert step.idempotency_key in html and "world.spawn" in html
+    assert "0xclaimed" in html and "0xidle" in html and "locked" in html
+    assert html.index("newer.entry") < html.index("older.entry")
+    assert row_url(claimed) in html
+    assert 'id="el-incomplete"' not in html  # no banner while cleanup is merely pending
+
+
+@pytest.mark.django_db
+def test_incomplete_run_has_a_banner_naming_the_stuck_rows_and_why(admin_client):  # S3, rule 2
+    run = RunFactory(status="completed", cleanup_status="incomplete")
+    ResourceFactory(
+        run=run, ref="0xwolf", revert_attempts=3, last_error="the shard refused: region locked"
+    )
+    ResourceFactory(
+        run=run, ref="0xbat", status="drifted", revert_attempts=3, last_error="now 7, not ours"
+    )
+    ResourceFactory(run=run, ref="0xgone", status="reverted")
+    html = admin_client.get(run_url(run)).content.decode()
+    banner = html[html.index('id="el-incomplete"') :]
+    banner = banner[: banner.index("</div>")]
+    assert "2 resources could not be given back" in banner
+    assert "thing:0xwolf" in banner and "the shard refused: region locked" in banner
+    assert "thing:0xbat" in banner and "now 7, not ours" in banner
+    assert "0xgone" not in banner
+    assert "Retry cleanup of run" in banner  # the superuser may retry from here
+
+
+@pytest.mark.django_db
+def test_why_is_this_stuck(admin_client):  # S3, R5, C3
+    run = RunFactory(status="failed", cleanup_status="pending")
+    step = StepFactory(run=run, action_id="world.spawn")
+    row = ResourceFactory(
+        run=run,
+        step=step,
+        owner_module="world",
+        kind="creature",
+        ref="0xabc",
+        status="reverting",
+        claim_token="c1a1m",
+        revert_attempts=2,
+        last_error="the shard refused: region locked",
+    )
+    age_rows(EventRunResource, [row.pk], seconds=3600)
+    html = admin_client.get(row_url(row)).content.decode()
+    why = html[html.index('id="el-why"') :]
+    assert "Why is this stuck?" in why
+    assert "2 of 3 automatic" in why and "the shard refused: region locked" in why
+    assert "held by claim <code>c1a1m</code> since" in why and "stale" in why
+    # The same call `cleanup_runs --dry-run` prints for the human retry.
+    call = f"world.spawn.revert(key={step.idempotency_key}, resources=['creature:0xabc'])"
+    assert escape(call) in why
+
+    released = ResourceFactory(run=run, status="reverted")
+    html = admin_client.get(row_url(released)).content.decode()
+    assert "This row is resolved" in html and "its target is released" in html
+
+
+@pytest.mark.django_db
+def test_payloads_errors_and_log_details_render_as_text(admin_client):  # S3
+    evil = "<script>alert('x')</script>"
+    run = RunFactory(name=evil, status="completed", cleanup_status="incomplete")
+    StepFactory(run=run, last_error=evil, params={"p": evil})
+    row = ResourceFactory(
+        run=run, ref="0xevil", payload={"note": evil}, last_error=evil, revert_attempts=3
+    )
+    EventRunLog.objects.write(run, "cleanup.failed", {"error": evil})
+    pages = [
+        admin_client.get(run_url(run)),
+        admin_client.get(row_url(row)),
+        admin_client.get(resources_url()),
+        admin_client.get(runs_url()),
+        retry(admin_client, run, confirm=False),
+    ]
+    for resp in pages:
+        html = resp.content.decode()
+        assert resp.status_code == 200
+        assert "<script>alert(" not in html, resp.request["PATH_INFO"]
+        assert "&lt;script&gt;alert(" in html
+
+
+@pytest.mark.django_db
+def test_ledger_rows_are_never_added_changed_or_deleted(admin_client):  # S3
+    run = incomplete_run()
+    row = run.resources.get()
+    before = list(Res.order_by("pk").values_list("pk", "status", "revert_attempts", "ref"))
+    add = reverse("admin:events_ledger_eventrunresource_add")
+    delete = reverse("admin:events_ledger_eventrunresource_delete", args=[row.pk])
+    assert admin_client.get(add).status_code == 403
+    assert admin_client.post(row_url(row), {"status": "reverted", "ref": "x"}).status_code == 403
+    assert admin_client.post(delete, {"post": "yes"}).status_code == 403
+    assert "delete_selected" not in action_choices(admin_client.get(resources_url()))
+    # Runs: read-only, and a run the ledger remembers cannot be deleted.
+    assert admin_client.get(reverse("admin:events_ledger_eventrun_add")).status_code == 403
+    assert admin_client.post(run_url(run), {"name": "renamed"}).status_code == 403
+    run_delete = reverse("admin:events_ledger_eventrun_delete", args=[run.pk])
+    assert admin_client.post(run_delete, {"post": "yes"}).status_code == 403
+    empty = RunFactory(status="completed")
+    empty_delete = reverse("admin:events_ledger_eventrun_delete", args=[empty.pk])
+    assert admin_client.get(empty_delete).status_code == 200
+    assert list(Res.order_by("pk").values_list("pk", "status", "revert_attempts", "ref")) == before
+    assert EventRun.objects.filter(pk=run.pk, name=run.name).exists()
+
+
+# ── the actions and the endpoint, by who asks ──
+
+
+@pytest.mark.django_db
+def test_staff_need_view_permission_for_the_changelists():  # S3
+    client = Client()
+    client.force_login(User.objects.create_user("bare", password="pw", is_staff=True))
+    assert client.get(runs_url()).status_code == 403
+    assert client.get(resources_url()).status_code == 403
+    assert client.post(endpoint(incomplete_run().pk)).status_code == 403
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("role", ROLES)
+def test_retry_cleanup_action_needs_the_permission(role):  # S3, C4
+    client = login(role)
+    run = incomplete_run()
+    listing = client.get(runs_url())
+    if role == "anonymous":
+        assert listing.status_code == 302 and "/login/" in listing["Location"]
+    else:
+        assert ("retry_cleanup" in action_choices(listing)) is ALLOWED[role]
+    resp = retry(client, run)
+    retried = EventRunLog.objects.filter(run=run, kind="cleanup.retry")
+    if ALLOWED[role]:
+        assert retried.get().detail["by"] == role  # the actor is the logged-in user
+        assert any(f"run {run.pk} " in m and "cleanup incomplete" in m for m in messages_of(resp))
+    else:
+        assert not retried.exists()
+        assert Res.get(run=run).revert_attempts == 3  # nobody reset rule 2's counter
+        if role == "anonymous":
+            assert resp.redirect_chain[-1][0].startswith(reverse("admin:login"))
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("role", ROLES)
+def test_reconcile_action_needs_the_permission(role):  # S3, C6
+    client = login(role)
+    row = ResourceFactory(run=RunFactory(), owner_module="test")
+    listing = client.get(resources_url())
+    if role != "anonymous":
+        assert ("reconcile" in action_choices(listing)) is ALLOWED[role]
+    resp = reconcile(client, row)
+    said = [m for m in messages_of(resp) if m.startswith("test: asked")] if resp.context else []
+    if ALLOWED[role]:
+        # No module answers for "test": unanswered, and the ledger is left alone.
+        assert said == ["test: asked 0, in force 0, orphaned 0, unanswered 1"]
+    else:
+        assert said == []
+    assert Res.get(pk=row.pk).status == "confirmed"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("role", ROLES)
+def test_cleanup_endpoint_needs_staff_and_the_permission(role):  # S3
+    client = login(role)
+    run = incomplete_run()
+    resp = client.post(endpoint(run.pk))
+    if role == "anonymous":
+        # Decided: the admin's own answer, a redirect to its login page.
+        assert resp.status_code == 302 and resp["Location"].startswith(reverse("admin:login"))
+    elif role == "staff":
+        assert resp.status_code == 403 and resp.json()["ok"] is False
+        assert "retry_cleanup" in resp.json()["error"]
+    else:
+        assert resp.status_code == 200
+        doc = resp.json()
+        assert doc["ok"] is True and doc["run_id"] == run.pk and doc["reset"] == 1
+        assert doc["cleanup_status"] == "incomplete" and doc["remaining"] == 1
+    assert EventRunLog.objects.filter(run=run, kind="cleanup.retry").exists() is ALLOWED[role]
+
+
+@pytest.mark.django_db
+def test_cleanup_endpoint_answers_json_errors(admin_client):  # S3
+    run = incomplete_run()
+    got = admin_client.get(endpoint(run.pk))
+    assert got.status_code == 405 and got["Allow"] == "POST" and got.json()["ok"] is False
+    missing = admin_client.post(endpoint(987654))
+    assert missing.status_code == 404 and missing.json() == {"ok": False, "error": "no run 987654"}
+    running = RunFactory(status="running")
+    busy = admin_client.post(endpoint(running.pk))
+    assert busy.status_code == 409 and "running" in busy.json()["error"]
+    assert not EventRunLog.objects.filter(kind="cleanup.retry").exists()
+
+
+@pytest.mark.django_db
+def test_endpoint_and_actions_are_csrf_protected(admin_user):  # S3
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(admin_user)
+    run = incomplete_run()
+    assert client.post(endpoint(run.pk)).status_code == 403
+    assert retry(client, run).status_code == 403
+    assert not EventRunLog.objects.filter(kind="cleanup.retry").exists()
+    client.get(runs_url())  # sets the CSRF cookie
+    token = client.cookies["csrftoken"].value
+    resp = client.post(endpoint(run.pk), HTTP_X_CSRFTOKEN=token)
+    assert resp.status_code == 200 and resp.json()["ok"] is True
+
+
+# ── end to end on the demo world ──
+
+
+def spent_run(world, status: str = "completed") -> EventRun:
+    """A finished run whose spawn could not be given back: attempts spent, incomplete."""
+    run = new_run("Bat swarm")
+    assert execute_step(spawn_step(run, "south", 2)).outcome == "done"
+    EventRun.objects.transition(run, status, from_="running")
+    Res.unresolved_for_run(run).update(
+        revert_attempts=3, last_error="the shard refused: region locked"
+    )
+    EventRun.objects.filter(pk=run.pk).update(cleanup_status="incomplete")
+    return run
+
+
+@world_db
+def test_retry_flow_restores_the_world(world, admin_client, admin_user):  # S3, C4, rule 2
+    run = spent_run(world)
+    step = run.steps.get()
+    assert Creature.objects.count() == 2
+    assert 'id="el-incomplete"' in admin_client.get(run_url(run)).content.decode()
+
+    confirm = retry(admin_client, run, confirm=False)
+    html = confirm.content.decode()
+    assert confirm.status_code == 200 and "Yes, retry cleanup" in html
+    assert escape(f"world.spawn.revert(key={step.idempotency_key}, resources=[") in html
+    assert Creature.objects.count() == 2
+    assert set(Res.unresolved_for_run(run).values_list("revert_attempts", flat=True)) == {3}
+
+    done = retry(admin_client, run)
+    assert any(
+        f"run {run.pk} Bat swarm: reverted 2" in m and "cleanup complete" in m
+        for m in messages_of(done)
+    )
+    run.refresh_from_db()
+    assert run.cleanup_status == "complete" and Res.unresolved_count(run) == 0
+    assert Creature.objects.count() == 0
+    retried = EventRunLog.objects.get(run=run, kind="cleanup.retry")
+    assert retried.detail["by"] == admin_user.username
+    assert 'id="el-incomplete"' not in admin_client.get(run_url(run)).content.decode()
+
+
+@world_db
+def test_retry_refuses_a_run_still_in_flight(world, admin_client):  # S3, C5
+    run = new_run("Still going")
+    execute_step(spawn_step(run, "north", 1))
+    confirm = retry(admin_client, run, confirm=False).content.decode()
+    assert "Refused: the run is still running" in confirm
+    resp = retry(admin_client, run)
+    assert any(m.startswith(f"Refused: run {run.pk} is running") for m in messages_of(resp))
+    assert Creature.objects.count() == 1
+    assert not EventRunLog.objects.filter(kind="cleanup.retry").exists()
+
+
+@world_db
+def test_cleanup_endpoint_restores_the_world(world, admin_client):  # S3, C4
+    run = spent_run(world, status="cancelled")
+    doc = admin_client.post(endpoint(run.pk)).json()
+    assert doc["ok"] is True and doc["reverted"] == 2 and doc["cleanup_status"] == "complete"
+    assert Creature.objects.count() == 0
+
+
+@world_db
+def test_reconcile_action_reports_a_held_back_answer(world, admin_client):  # S3, C6
+    run = new_run()
+    execute_step(spawn_step(run, "north", 4))
+    world.restart()
+    row = Res.filter(run=run, kind="creature").first()
+    resp = reconcile(admin_client, row)
+    said = messages_of(resp)
+    assert any(
+        m.startswith("world: asked 4, in force 0, orphaned 0")
+        and "Held back" in m
+        and "more than 50%" in m
+        for m in said
+    )
+    # No force from the console: the ledger is left alone.
+    assert set(Res.filter(kind="creature").values_list("status", flat=True)) == {"confirmed"}
