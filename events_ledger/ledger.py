@@ -345,6 +345,10 @@ def _settle(step: EventRunStep, token: str, result: StepResult) -> StepResult:
         logger.warning(
             "step %s: a newer claim took it over; outcome %s not written", step.pk, result.outcome
         )
+    if result.outcome == "done" and not result.rejected:
+        # A clean success is on the step row itself; the run's log keeps what an
+        # operator must read (retries, failures, refusals, dropped resources).
+        return result
     EventRunLog.objects.write(
         step.run_id,
         f"step.{result.outcome}",
