@@ -1,0 +1,886 @@
+"""Every code block in docs/ is executed or validated (issue 6), so the docs cannot drift.
+
+A small Markdown parser takes the fenced blocks of each page, in order; a page runs as one
+test, in a Django test database (``transaction=True``, sequences reset so the first run is
+run 1), with the demo world clean and the action registry isolated. The block's info
+string says what it is:
+
+``python``
+    Executed; the page's python and pycon blocks share one namespace, in page order.
+``python file=PATH``
+    A file of the host project. ``file=settings.py`` (any directory) is a settings
+    fragment: executed, ``INSTALLED_APPS`` (if set) must list ``events_ledger``, an
+    ``EVENTS_LEDGER`` must pass the app's system checks and is applied to the rest of the
+    page, and the child processes below execute the fragment as part of their settings.
+    Any other path is written under a temporary host directory (packages get an
+    ``__init__.py``) and imported; its top-level package becomes an installed app of the
+    child processes (so their autodiscovery finds an ``event_actions.py``), and its
+    ``test_*`` functions are called. Blocks with the same path are one file, continued.
+``pycon``
+    Run with doctest (ELLIPSIS, NORMALIZE_WHITESPACE): the shown output must match.
+``console``
+    ``$ command`` lines, each followed by its expected output (matched as in doctest, and
+    only when some is shown). A command exits 0 unless the next line is ``$ echo $?``,
+    whose output is the status it must exit with.
+``shell``
+    Commands without prompts; each must exit 0.
+
+In ``console`` and ``shell`` blocks, ``python manage.py ...`` (with optional ``VAR=value``
+prefixes) is run as a real process against the test database (see tests/processes.py),
+with the page's settings fragments and host apps; ``pip install`` is validated against
+pyproject.toml (the package's name and extras), not run. Any other command fails the
+test, except in a shell block marked ``<!-- doctest: skip (why) -->`` on the line before
+it, which is allowed only for commands that need a real systemd or crontab (systemctl,
+journalctl, crontab).
+
+``crontab``
+    Each entry: five valid schedule fields (or an @-schedule) and a /bin/sh command whose
+    ``manage.py`` part names a real command with options its own parser accepts; a
+    ``cleanup_runs`` entry without ``--loop`` is also run with ``--dry-run`` and must exit 0.
+``ini file=NAME.service|NAME.timer``
+    A systemd unit, parsed with configparser. A service's ExecStart is checked as a cron
+    command is (and must not rely on a shell); a timer needs a schedule (OnCalendar is
+    checked with ``systemd-analyze calendar`` where the machine has it) and a service of
+    the same page to start.
+
+A block with no language, or another language, fails the page.
+"""
+
+from __future__ import annotations
+
+import configparser
+import doctest
+import importlib
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, get_commands, load_command_class
+
+from events_ledger import registry
+from events_ledger.checks import check_settings
+from events_ledger.conf import DEFAULTS
+from tests.processes import ROOT, child_env
+
+DOCS = ROOT / "docs"
+PAGES = sorted(p.name for p in DOCS.glob("*.md"))
+REQUIRED_PAGES = {
+    "quickstart.md",
+    "actions-and-leases.md",
+    "cron.md",
+    "settings.md",
+    "console.md",
+    "statuses.md",
+}
+
+KNOWN_LANGUAGES = {"python", "pycon", "console", "shell", "crontab", "ini"}
+#: Commands a skipped shell block may hold: they need a real systemd or crontab.
+NEEDS_THE_MACHINE = {"systemctl", "journalctl", "crontab"}
+SHELL_OPERATORS = {"&&", "||", ";", "|", "&"}
+CHILD_SETTINGS = "docs_host_settings"
+
+
+class DocError(AssertionError):
+    """A block of the docs does not do what the page says."""
+
+
+# ── the Markdown parser ──
+
+FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+SKIP = re.compile(r"^<!--\s*doctest:\s*skip\s*\((?P<why>[^)]+)\)\s*-->$")
+
+
+@dataclass
+class Block:
+    page: str
+    line: int  # of the opening fence, 1-based
+    lang: str
+    attrs: dict[str, str]
+    source: str
+    skip: str | None = None  # the reason of a skip marker right above the block
+
+    @property
+    def where(self) -> str:
+        return f"docs/{self.page}:{self.line}"
+
+
+def parse_blocks(text: str, page: str = "page.md") -> list[Block]:
+    """The fenced code blocks of a CommonMark page, in order (indented blocks are not
+    used by these docs). An unclosed fence or a malformed info string is an error."""
+    lines = text.splitlines()
+    blocks: list[Block] = []
+    previous = ""  # the last non-blank line outside a block
+    i = 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening or (opening["fence"][0] == "`" and "`" in opening["info"]):
+            if lines[i].strip():
+                previous = lines[i].strip()
+            i += 1
+            continue
+        fence, indent, info = opening["fence"], len(opening["indent"]), opening["info"].strip()
+        closing = re.compile(rf"^ {{0,3}}{re.escape(fence[0])}{{{len(fence)},}}\s*$")
+        start, body = i, []
+        i += 1
+        while i < len(lines) and not closing.match(lines[i]):
+            line = lines[i]
+            body.append(line[min(indent, len(line) - len(line.lstrip(" "))) :])
+            i += 1
+        if i == len(lines):
+            raise DocError(f"docs/{page}:{start + 1}: the code fence is never closed")
+        words = shlex.split(info) if info else []
+        attrs: dict[str, str] = {}
+        for word in words[1:]:
+            key, sep, value = word.partition("=")
+            if not sep:
+                raise DocError(f"docs/{page}:{start + 1}: attributes are key=value, not {word!r}")
+            attrs[key] = value
+        skip = SKIP.match(previous)
+        blocks.append(
+            Block(
+                page,
+                start + 1,
+                words[0] if words else "",
+                attrs,
+                "\n".join(body) + ("\n" if body else ""),
+                skip["why"] if skip else None,
+            )
+        )
+        previous = ""
+        i += 1
+    return blocks
+
+
+def check_kind(block: Block) -> None:
+    """Every block is of a kind this test executes or validates."""
+    if not block.lang:
+        raise DocError(
+            f"{block.where}: a code block without a language (name one of "
+            f"{', '.join(sorted(KNOWN_LANGUAGES))})"
+        )
+    if block.lang not in KNOWN_LANGUAGES:
+        raise DocError(
+            f"{block.where}: the language {block.lang!r} is not executed by tests/test_docs.py"
+        )
+    allowed = {"python": {"file"}, "ini": {"file"}}.get(block.lang, set())
+    if set(block.attrs) - allowed:
+        raise DocError(f"{block.where}: unknown attributes {sorted(set(block.attrs) - allowed)}")
+    if block.lang == "python" and "file" in block.attrs and not block.attrs["file"].endswith(".py"):
+        raise DocError(f"{block.where}: a python file= must end in .py")
+    if block.lang == "ini" and not re.search(r"\.(service|timer)$", block.attrs.get("file", "")):
+        raise DocError(
+            f"{block.where}: an ini block is a systemd unit: file=NAME.service or NAME.timer"
+        )
+    if block.skip is not None:
+        if block.lang != "shell":
+            raise DocError(f"{block.where}: only a shell block may be skipped, not {block.lang}")
+        for _, command in shell_commands(block.source):
+            words = shlex.split(command)
+            words = words[1:] if words[:1] == ["sudo"] else words
+            if not words or words[0] not in NEEDS_THE_MACHINE:
+                raise DocError(
+                    f"{block.where}: a skipped block may only hold commands that need a real "
+                    f"systemd or crontab ({', '.join(sorted(NEEDS_THE_MACHINE))}), not {command!r}"
+                )
+
+
+# ── shell text ──
+
+
+def shell_commands(source: str) -> Iterator[tuple[int, str]]:
+    """(line offset, command) of a prompt-less block: comments dropped, ``\\`` joined."""
+    pending, first = "", 0
+    for n, line in enumerate(source.splitlines()):
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if not pending:
+            first = n
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        yield first, pending + stripped
+        pending = ""
+    if pending:
+        yield first, pending
+
+
+@dataclass
+class Command:
+    offset: int
+    text: str
+    expected: list[str] = field(default_factory=list)
+
+
+def console_commands(source: str) -> list[Command]:
+    commands: list[Command] = []
+    continuing = False
+    for n, line in enumerate(source.splitlines()):
+        if continuing:
+            commands[-1].text += " " + line.strip().removesuffix("\\").strip()
+            continuing = line.rstrip().endswith("\\")
+        elif line.startswith("$ "):
+            commands.append(Command(n, line[2:].strip().removesuffix("\\").strip()))
+            continuing = line.rstrip().endswith("\\")
+        elif commands:
+            commands[-1].expected.append(line)
+        elif line.strip():
+            raise DocError(f"console text before the first $ prompt: {line!r}")
+    return commands
+
+
+def output_matches(expected: str, got: str) -> bool:
+    return doctest.OutputChecker().check_output(
+        expected, got, doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    )
+
+
+def split_env(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    env: dict[str, str] = {}
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    return env, words
+
+
+def is_python(word: str) -> bool:
+    return re.fullmatch(r"python(3(\.\d+)?)?", Path(word).name) is not None
+
+
+def check_manage(words: list[str], where: str) -> tuple[str, list[str]]:
+    """``[python] [path/]manage.py COMMAND ARGS``: a real command whose own parser
+    accepts the options. Answers the command's name and arguments."""
+    at = next((i for i, w in enumerate(words) if Path(w).name == "manage.py"), None)
+    if at is None or at > 1 or (at == 1 and not is_python(words[0])):
+        raise DocError(f"{where}: not a manage.py command: {shlex.join(words)!r}")
+    if len(words) < at + 2:
+        raise DocError(f"{where}: manage.py without a command")
+    name, args = words[at + 1], words[at + 2 :]
+    commands = get_commands()
+    if name not in commands:
+        raise DocError(f"{where}: manage.py has no command {name!r}")
+    app = commands[name]
+    command = app if not isinstance(app, str) else load_command_class(app, name)
+    try:
+        command.create_parser("manage.py", name).parse_args(args)
+    except CommandError as exc:  # a parser not called from the command line raises this
+        raise DocError(f"{where}: manage.py {name} refuses {shlex.join(args)!r}: {exc}") from None
+    return name, args
+
+
+PIP_INSTALL = re.compile(r"(?P<name>[A-Za-z0-9_.-]+)(\[(?P<extras>[A-Za-z0-9_,.-]+)\])?")
+
+
+def check_pip(words: list[str], where: str) -> None:
+    """``pip install NAME[EXTRAS]`` names this package and extras it declares."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for word in words[2:]:
+        if word.startswith("-"):
+            continue
+        wanted = PIP_INSTALL.fullmatch(word)
+        if wanted is None or re.sub(r"[-_.]+", "-", wanted["name"]).lower() != project["name"]:
+            raise DocError(f"{where}: pip install {word!r}: the package is {project['name']!r}")
+        extras = set(filter(None, (wanted["extras"] or "").split(",")))
+        unknown = extras - set(project.get("optional-dependencies", {}))
+        if unknown:
+            raise DocError(
+                f"{where}: pip install {word!r}: no extras {sorted(unknown)} in pyproject.toml"
+            )
+
+
+CRON_FIELDS = [  # (low, high, names)
+    (0, 59, []),
+    (0, 23, []),
+    (1, 31, []),
+    (1, 12, ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"]),
+    (0, 7, ["sun", "mon", "tue", "wed", "thu", "fri", "sat"]),
+]
+CRON_SPECIALS = {
+    "@reboot",
+    "@yearly",
+    "@annually",
+    "@monthly",
+    "@weekly",
+    "@daily",
+    "@midnight",
+    "@hourly",
+}
+
+
+def check_cron_field(value: str, low: int, high: int, names: list[str]) -> bool:
+    def number(word: str) -> int | None:
+        if word.isdigit():
+            return int(word) if low <= int(word) <= high else None
+        if word.lower() in names:
+            return names.index(word.lower()) + low
+        return None
+
+    for part in value.split(","):
+        m = re.fullmatch(r"(?P<range>\*|(?P<a>\w+)(-(?P<b>\w+))?)(/(?P<step>\d+))?", part)
+        if m is None or (m["step"] is not None and int(m["step"]) == 0):
+            return False
+        if m["a"] is not None:
+            a = number(m["a"])
+            b = number(m["b"]) if m["b"] is not None else a
+            if a is None or b is None or a > b:
+                return False
+    return True
+
+
+# ── one page ──
+
+
+class PageRun:
+    """Executes one page's blocks in order, keeping what they share."""
+
+    def __init__(self, page: str, tmp: Path, settings: Any) -> None:
+        self.page, self.settings = page, settings
+        self.host, self.media = tmp / "host", tmp / "media"
+        self.host.mkdir()
+        self.media.mkdir()
+        settings.MEDIA_ROOT = str(self.media)
+        self.ns: dict[str, Any] = {"__name__": f"docs.{Path(page).stem}"}
+        self.fragments: list[Block] = []
+        self.files: dict[str, str] = {}
+        self.apps: list[str] = []
+        self.registered: tuple[set[str], set[str]] = (set(), set())
+        self.units: set[str] = set()
+        sys.path.insert(0, str(self.host))
+
+    def close(self) -> None:
+        sys.path.remove(str(self.host))
+        self.forget_modules()
+
+    def forget_modules(self) -> None:
+        for name in list(sys.modules):
+            if name.split(".")[0] in self.apps:
+                del sys.modules[name]
+        importlib.invalidate_caches()
+
+    def run(self, block: Block) -> None:
+        check_kind(block)
+        if block.lang == "python" and "file" in block.attrs:
+            if Path(block.attrs["file"]).name == "settings.py":
+                self.settings_fragment(block)
+            else:
+                self.host_file(block)
+        elif block.lang == "python":
+            exec(compile(block.source, block.where, "exec"), self.ns)
+        elif block.lang == "pycon":
+            self.pycon(block)
+        elif block.lang == "console":
+            self.console(block)
+        elif block.lang == "shell":
+            self.shell(block)
+        elif block.lang == "crontab":
+            self.crontab(block)
+        elif block.lang == "ini":
+            self.unit(block)
+
+    # ── python ──
+
+    def settings_fragment(self, block: Block) -> None:
+        ns: dict[str, Any] = {"__name__": "settings"}
+        exec(compile(block.source, block.where, "exec"), ns)
+        apps = ns.get("INSTALLED_APPS")
+        if apps is not None and "events_ledger" not in apps:
+            raise DocError(f"{block.where}: INSTALLED_APPS does not list events_ledger")
+        for app in apps or []:
+            # The reader's own app, which exists in their project: an empty package here,
+            # filled by the page's file= blocks.
+            if isinstance(app, str) and "." not in app and importlib.util.find_spec(app) is None:
+                (self.host / app).mkdir(exist_ok=True)
+                (self.host / app / "__init__.py").touch()
+                self.apps.append(app)
+        if "EVENTS_LEDGER" in ns:
+            self.settings.EVENTS_LEDGER = ns["EVENTS_LEDGER"]
+            problems = check_settings()
+            if problems:
+                raise DocError(f"{block.where}: EVENTS_LEDGER fails the checks: {problems}")
+        self.fragments.append(block)
+
+    def host_file(self, block: Block) -> None:
+        rel = block.attrs["file"]
+        path = self.host / rel
+        previous = self.files.get(rel)
+        self.files[rel] = block.source if previous is None else previous + "\n" + block.source
+        for parent in list(path.parents)[: len(Path(rel).parts) - 1]:
+            parent.mkdir(parents=True, exist_ok=True)
+            (parent / "__init__.py").touch()
+        path.write_text(self.files[rel])
+        app = Path(rel).parts[0].removesuffix(".py")
+        if app not in self.apps:
+            self.apps.append(app)
+        # Import every host file afresh, against the registry as it was before them.
+        actions, leases = self.registered
+        for action_id in actions:
+            registry.default_registry.actions.pop(action_id, None)
+        for lease_id in leases:
+            registry.default_registry.leases.pop(lease_id, None)
+        self.forget_modules()
+        before = (set(registry.default_registry.actions), set(registry.default_registry.leases))
+        modules = {}
+        for name in self.files:
+            modules[name] = importlib.import_module(name.removesuffix(".py").replace("/", "."))
+        self.registered = (
+            set(registry.default_registry.actions) - before[0],
+            set(registry.default_registry.leases) - before[1],
+        )
+        for name, fn in sorted(vars(modules[rel]).items()):
+            if name.startswith("test_") and callable(fn):
+                fn()
+
+    def pycon(self, block: Block) -> None:
+        test = doctest.DocTestParser().get_doctest(
+            block.source, self.ns, block.where, f"docs/{block.page}", block.line
+        )
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        report: list[str] = []
+        runner.run(test, out=report.append, clear_globs=False)
+        self.ns.update(test.globs)
+        if runner.failures:
+            raise DocError("".join(report))
+
+    # ── commands ──
+
+    def write_child_settings(self) -> None:
+        lines = [
+            f'"""Settings of the child processes of docs/{self.page} (written by tests/test_docs.py)."""',
+            "from tests.child_settings import *  # noqa: F403",
+            "from tests.child_settings import INSTALLED_APPS",
+            "_BASE_APPS = list(INSTALLED_APPS)",
+        ]
+        lines += [f"exec(compile({b.source!r}, {b.where!r}, 'exec'))" for b in self.fragments]
+        lines += [
+            "INSTALLED_APPS = _BASE_APPS + [a for a in INSTALLED_APPS if isinstance(a, str) and a not in _BASE_APPS]",
+            f"INSTALLED_APPS += [a for a in {self.apps!r} if a not in INSTALLED_APPS]",
+            f"MEDIA_ROOT = {str(self.media)!r}",
+        ]
+        (self.host / f"{CHILD_SETTINGS}.py").write_text("\n".join(lines) + "\n")
+
+    def execute(self, command: str, where: str) -> subprocess.CompletedProcess[str]:
+        words = shlex.split(command, comments=True)
+        env, words = split_env(words)
+        if words[:2] == ["pip", "install"] or (
+            len(words) > 3 and is_python(words[0]) and words[1:4] == ["-m", "pip", "install"]
+        ):
+            check_pip(words if words[0] == "pip" else words[2:], where)
+            return subprocess.CompletedProcess(words, 0, "", "")
+        if not words or not is_python(words[0]) or words[1:2] != ["manage.py"]:
+            raise DocError(
+                f"{where}: tests/test_docs.py runs only python manage.py and pip install, "
+                f"not {command!r}"
+            )
+        check_manage(words, where)
+        self.write_child_settings()
+        child = child_env()
+        child.update(env)
+        child["DJANGO_SETTINGS_MODULE"] = CHILD_SETTINGS
+        child["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(self.host)])
+        return subprocess.run(
+            [sys.executable, "manage.py", *words[2:]],
+            cwd=ROOT,
+            env=child,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    def console(self, block: Block) -> None:
+        commands = console_commands(block.source)
+        status: int | None = None
+        for n, command in enumerate(commands):
+            where = f"docs/{block.page}:{block.line + 1 + command.offset}"
+            if command.text == "echo $?":
+                got = f"{status}\n"
+            else:
+                done = self.execute(command.text, where)
+                status, got = done.returncode, done.stdout + done.stderr
+                follows = commands[n + 1] if n + 1 < len(commands) else None
+                said = int(follows.expected[0]) if follows and follows.text == "echo $?" else 0
+                if status != said:
+                    raise DocError(
+                        f"{where}: `{command.text}` exited {status}, the page says {said}:\n{got}"
+                    )
+            expected = "\n".join(command.expected).strip("\n")
+            if expected and not output_matches(expected + "\n", got):
+                raise DocError(
+                    f"{where}: `{command.text}` printed\n{got}\nthe page shows\n{expected}"
+                )
+
+    def shell(self, block: Block) -> None:
+        if block.skip is not None:
+            return  # check_kind has limited it to commands that need the machine
+        for offset, command in shell_commands(block.source):
+            where = f"docs/{block.page}:{block.line + 1 + offset}"
+            done = self.execute(command, where)
+            if done.returncode != 0:
+                raise DocError(
+                    f"{where}: `{command}` exited {done.returncode}:\n{done.stdout}{done.stderr}"
+                )
+
+    # ── crontab and systemd ──
+
+    def scheduled_command(self, words: list[str], where: str) -> None:
+        """A cron or systemd command: a real manage.py command with valid options; a single
+        sweep also runs with --dry-run against the test database, and must exit 0."""
+        name, args = check_manage(words, where)
+        if name == "cleanup_runs" and not any(a.split("=")[0] == "--loop" for a in args):
+            dry = self.execute(shlex.join(["python", "manage.py", name, *args, "--dry-run"]), where)
+            if dry.returncode != 0:
+                raise DocError(
+                    f"{where}: {name} {shlex.join(args)} --dry-run exited {dry.returncode}:\n"
+                    f"{dry.stdout}{dry.stderr}"
+                )
+
+    def crontab(self, block: Block) -> None:
+        for n, line in enumerate(block.source.splitlines()):
+            where = f"docs/{block.page}:{block.line + 1 + n}"
+            entry = line.strip()
+            if (
+                not entry
+                or entry.startswith("#")
+                or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*\s*=.*", entry)
+            ):
+                continue
+            if entry.startswith("@"):
+                special, _, command = entry.partition(" ")
+                if special not in CRON_SPECIALS:
+                    raise DocError(f"{where}: unknown schedule {special!r}")
+            else:
+                fields = entry.split(None, 5)
+                if len(fields) < 6:
+                    raise DocError(
+                        f"{where}: a crontab entry has five schedule fields and a command"
+                    )
+                for value, (low, high, names) in zip(fields[:5], CRON_FIELDS, strict=True):
+                    if not check_cron_field(value, low, high, names):
+                        raise DocError(
+                            f"{where}: {value!r} is not a valid schedule field ({low}-{high})"
+                        )
+                command = fields[5]
+            if re.search(r"(?<!\\)%", command):
+                raise DocError(f"{where}: cron turns an unescaped % into a newline")
+            self.cron_command(command.strip(), where)
+
+    def cron_command(self, command: str, where: str) -> None:
+        segments: list[list[str]] = [[]]
+        for word in shlex.split(command):  # operators are written between spaces in these docs
+            if word in SHELL_OPERATORS:
+                segments.append([])
+            else:
+                segments[-1].append(word)
+        ran = False
+        for words in segments:
+            _, words = split_env(words)
+            words = strip_redirections(words)
+            if words[:1] == ["cd"] and len(words) == 2:
+                continue
+            if any(Path(w).name == "manage.py" for w in words):
+                self.scheduled_command(words, where)
+                ran = True
+                continue
+            raise DocError(
+                f"{where}: cron runs {shlex.join(words)!r}: only cd and manage.py are checked"
+            )
+        if not ran:
+            raise DocError(f"{where}: the entry runs no manage.py command")
+
+    def unit(self, block: Block) -> None:
+        name = Path(block.attrs["file"]).name
+        parser = configparser.ConfigParser(
+            interpolation=None, strict=False, delimiters=("=",), comment_prefixes=("#", ";")
+        )
+        parser.optionxform = str  # type: ignore[assignment,method-assign]
+        try:
+            parser.read_string(block.source, source=block.where)
+        except configparser.Error as exc:
+            raise DocError(f"{block.where}: not a unit file: {exc}") from None
+        unknown = set(parser.sections()) - {"Unit", "Service", "Timer", "Install"}
+        if unknown:
+            raise DocError(f"{block.where}: unknown sections {sorted(unknown)}")
+        if name.endswith(".service"):
+            self.service(block, parser)
+        else:
+            self.timer(block, parser, name)
+        self.units.add(name)
+
+    def service(self, block: Block, unit: configparser.ConfigParser) -> None:
+        if not unit.has_option("Service", "ExecStart"):
+            raise DocError(f"{block.where}: a service needs [Service] ExecStart=")
+        words = shlex.split(unit["Service"]["ExecStart"])
+        if any(w in SHELL_OPERATORS or re.match(r"\d?>", w) for w in words):
+            raise DocError(
+                f"{block.where}: systemd runs ExecStart without a shell: {shlex.join(words)!r}"
+            )
+        if not words[0].startswith("/"):
+            raise DocError(f"{block.where}: ExecStart's program is an absolute path")
+        manage = next((w for w in words if Path(w).name == "manage.py"), "")
+        if not manage.startswith("/") and not unit.has_option("Service", "WorkingDirectory"):
+            raise DocError(f"{block.where}: a relative manage.py needs WorkingDirectory=")
+        loops = any(w.split("=")[0] == "--loop" for w in words)
+        kind = unit["Service"].get("Type", "simple")
+        if loops == (kind == "oneshot"):
+            raise DocError(
+                f"{block.where}: Type={kind} with{'' if loops else 'out'} --loop: a single "
+                "sweep is a oneshot (a timer starts it), a loop is a long-running service"
+            )
+        self.scheduled_command(words, block.where)
+
+    def timer(self, block: Block, unit: configparser.ConfigParser, name: str) -> None:
+        schedules = {
+            "OnCalendar",
+            "OnActiveSec",
+            "OnBootSec",
+            "OnStartupSec",
+            "OnUnitActiveSec",
+            "OnUnitInactiveSec",
+        }
+        if not unit.has_section("Timer") or not schedules & set(unit["Timer"]):
+            raise DocError(f"{block.where}: a timer needs [Timer] with a schedule")
+        calendar = unit["Timer"].get("OnCalendar")
+        analyze = shutil.which("systemd-analyze")
+        if calendar and analyze:
+            done = subprocess.run([analyze, "calendar", calendar], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise DocError(f"{block.where}: OnCalendar={calendar}: {done.stderr.strip()}")
+        service = unit["Timer"].get("Unit", name.removesuffix(".timer") + ".service")
+        if service not in self.units:
+            raise DocError(
+                f"{block.where}: the timer starts {service}, which the page does not define above it"
+            )
+        if not unit.has_section("Install") or unit["Install"].get("WantedBy") != "timers.target":
+            raise DocError(
+                f"{block.where}: a timer is enabled with [Install] WantedBy=timers.target"
+            )
+
+
+def strip_redirections(words: list[str]) -> list[str]:
+    out, skip_next = [], False
+    for word in words:
+        if skip_next:
+            skip_next = False
+            continue
+        m = re.fullmatch(r"(\d?)(>>?|<)(&\d)?(.*)", word)
+        if m is None:
+            out.append(word)
+        elif not m[3] and not m[4]:
+            skip_next = True  # `> file`: the file is the next word
+    return out
+
+
+# ── the tests ──
+
+
+def test_the_docs_are_all_there():  # docs
+    assert REQUIRED_PAGES <= set(PAGES)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_is_of_a_kind_that_is_executed(page):  # docs
+    blocks = parse_blocks((DOCS / page).read_text(), page)
+    assert blocks, f"docs/{page} has no code block"
+    for block in blocks:
+        check_kind(block)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True, reset_sequences=True)
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_does_what_the_page_says(
+    page, tmp_path, settings, world, isolated_registry
+):  # docs
+    run = PageRun(page, tmp_path, settings)
+    try:
+        for block in parse_blocks((DOCS / page).read_text(), page):
+            run.run(block)
+    finally:
+        run.close()
+
+
+def as_written(value: Any) -> str:
+    """A default as the settings page writes it: 15 minutes, 10 seconds, 3, 0.5."""
+    if isinstance(value, timedelta):
+        seconds = int(value.total_seconds())
+        return f"{seconds // 60} minutes" if seconds % 60 == 0 else f"{seconds} seconds"
+    return str(value)
+
+
+def test_the_settings_page_names_every_key_with_its_default():  # docs, S4
+    text = (DOCS / "settings.md").read_text()
+    for key, default in DEFAULTS.items():
+        row = re.search(rf"^\|\s*`{key}`\s*\|\s*(?P<default>[^|]*?)\s*\|", text, re.M)
+        assert row, f"settings.md has no row for {key}"
+        assert row["default"] == as_written(default), f"settings.md gives {key} another default"
+
+
+def test_the_statuses_page_explains_every_status():  # docs
+    from events_ledger.models import EventRun, EventRunResource, EventRunStep
+
+    text = (DOCS / "statuses.md").read_text()
+    for model in (
+        EventRun.Status,
+        EventRun.CleanupStatus,
+        EventRunResource.Status,
+        EventRunStep.Status,
+    ):
+        for value in model.values:
+            assert f"`{value}`" in text, f"statuses.md does not explain {value}"
+
+
+def test_the_console_page_names_the_permissions_and_the_endpoint():  # docs, S3
+    from events_ledger.models import EventRun
+
+    text = (DOCS / "console.md").read_text()
+    for codename, _ in EventRun._meta.permissions:
+        assert f"events_ledger.{codename}" in text
+    assert "/admin/events_ledger/eventrun/<id>/cleanup/" in text
+
+
+# ── the checks themselves fail when the docs are wrong ──
+
+
+def test_the_parser_finds_fences_info_strings_and_skip_markers():  # docs
+    text = "\n".join(
+        [
+            "# Title",
+            "",
+            "```python file=app/x.py",
+            "x = 1",
+            "```",
+            "",
+            "<!-- doctest: skip (needs systemd) -->",
+            "~~~~shell",
+            "systemctl start x",
+            "```",
+            "~~~~",
+            "``inline`` text",
+            "   ```pycon",
+            "   >>> 1",
+            "   1",
+            "   ```",
+        ]
+    )
+    blocks = parse_blocks(text)
+    assert [(b.lang, b.attrs, b.line) for b in blocks] == [
+        ("python", {"file": "app/x.py"}, 3),
+        ("shell", {}, 8),
+        ("pycon", {}, 13),
+    ]
+    assert blocks[1].skip == "needs systemd" and blocks[1].source == "systemctl start x\n```\n"
+    assert blocks[0].skip is None and blocks[2].source == ">>> 1\n1\n"
+    with pytest.raises(DocError, match="never closed"):
+        parse_blocks("```python\nx = 1\n")
+
+
+@pytest.mark.parametrize(
+    "text,error",
+    [
+        ("```\nx\n```", "without a language"),
+        ("```text\nx\n```", "not executed"),
+        ("```yaml\nx: 1\n```", "not executed"),
+        ("```python run\nx\n```", "key=value"),
+        ("```ini file=x.conf\n[a]\n```", "systemd unit"),
+        ("<!-- doctest: skip (lazy) -->\n```python\nx = 1\n```", "only a shell block"),
+        ("<!-- doctest: skip (lazy) -->\n```shell\npython manage.py migrate\n```", "need a real"),
+    ],
+)
+def test_a_block_of_an_unknown_kind_fails(text, error):  # docs
+    with pytest.raises(DocError, match=error):
+        for block in parse_blocks(text):
+            check_kind(block)
+
+
+def test_console_text_is_read_as_commands_output_and_statuses():  # docs
+    commands = console_commands("$ python manage.py x \\\n  --y\nline one\n$ echo $?\n2\n")
+    assert [(c.text, c.expected) for c in commands] == [
+        ("python manage.py x --y", ["line one"]),
+        ("echo $?", ["2"]),
+    ]
+    assert output_matches(
+        "run ...: attempted 1 -> complete\n", "run 17: attempted 1  -> complete\n"
+    )
+    assert not output_matches("-> complete\n", "-> incomplete\n")
+
+
+def test_scheduled_commands_are_checked_against_the_real_parsers():  # docs
+    assert check_manage(
+        ["/srv/app/.venv/bin/python", "manage.py", "cleanup_runs", "--verbosity", "0"], "x"
+    )
+    with pytest.raises(DocError, match="refuses"):
+        check_manage(["python", "manage.py", "cleanup_runs", "--every", "5"], "x")
+    with pytest.raises(DocError, match="no command"):
+        check_manage(["python", "manage.py", "cleanup_everything"], "x")
+    with pytest.raises(DocError, match="not a manage.py command"):
+        check_manage(["bash", "-c", "manage.py"], "x")
+    assert check_cron_field("*/5", 0, 59, []) and check_cron_field("1-5", 0, 7, [])
+    assert check_cron_field("mon-fri", 0, 7, CRON_FIELDS[4][2])
+    assert not check_cron_field("60", 0, 59, []) and not check_cron_field("*/0", 0, 59, [])
+    assert not check_cron_field("5-1", 0, 59, []) and not check_cron_field("x", 0, 59, [])
+    assert strip_redirections(["a", ">>", "/var/log/x", "2>&1", ">/dev/null"]) == ["a"]
+
+
+def test_crontab_and_unit_mistakes_are_caught(tmp_path, settings):  # docs
+    run = PageRun("x.md", tmp_path, settings)
+    try:
+        bad = [
+            ("crontab", {}, "*/5 *  cleanup\n", "five schedule fields"),
+            ("crontab", {}, "* * * *  python manage.py cleanup_runs\n", "not a valid schedule"),
+            ("crontab", {}, "61 * * * *  python manage.py cleanup_runs\n", "not a valid schedule"),
+            (
+                "crontab",
+                {},
+                "* * * * *  python manage.py cleanup_runs --json > $(date +%F)\n",
+                "unescaped %",
+            ),
+            ("crontab", {}, "* * * * *  rm -rf /tmp/x\n", "only cd and manage.py"),
+            (
+                "ini",
+                {"file": "a.service"},
+                "[Service]\nType=oneshot\nExecStart=/usr/bin/python "
+                "/srv/manage.py cleanup_runs && echo ok\n",
+                "without a shell",
+            ),
+            (
+                "ini",
+                {"file": "a.service"},
+                "[Service]\nType=oneshot\nExecStart=/usr/bin/python "
+                "/srv/manage.py cleanup_runs --loop 30\n",
+                "long-running",
+            ),
+            (
+                "ini",
+                {"file": "a.service"},
+                "[Service]\nType=oneshot\nExecStart=python manage.py x\n",
+                "absolute",
+            ),
+            (
+                "ini",
+                {"file": "b.timer"},
+                "[Timer]\nOnCalendar=*:0/1\n[Install]\nWantedBy=timers.target\n",
+                "does not define",
+            ),
+            (
+                "ini",
+                {"file": "b.timer"},
+                "[Timer]\nPersistent=true\n",
+                "needs \\[Timer\\] with a schedule",
+            ),
+            ("ini", {"file": "b.timer"}, "[Sevrice]\nx=1\n", "unknown sections"),
+        ]
+        for lang, attrs, source, error in bad:
+            with pytest.raises(DocError, match=error):
+                run.run(Block("x.md", 1, lang, attrs, source))
+    finally:
+        run.close()
