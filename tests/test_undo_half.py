@@ -27,7 +27,14 @@ from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResou
 from project.world.models import Call, Creature, RegionSetting
 from tests.conftest import age_rows
 from tests.factories import ResourceFactory, RunFactory
-from tests.helpers import lease_step, new_run, new_step, spawn_step
+from tests.helpers import (
+    lease_step,
+    ledger_action,
+    new_run,
+    new_step,
+    short_budget_world_spawn,
+    spawn_step,
+)
 from tests.processes import race, spawn
 
 Res = EventRunResource.objects
@@ -131,15 +138,7 @@ def test_a_lost_spawn_is_reverted_by_its_idempotency_key(world):  # C3, rule 1
 @world_db
 def test_placeholder_rows_are_not_in_the_revert_list(world, isolated_registry):  # C3
     seen = []
-    isolated_registry.register_action(
-        Action(
-            id="t.make",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=lambda **kw: seen.append(kw) or {"ok": True},
-        )
-    )
+    ledger_action(isolated_registry, revert=lambda **kw: seen.append(kw) or {"ok": True})
     run = RunFactory(status="completed", cleanup_status="pending")
     from tests.helpers import new_step as ns
 
@@ -163,15 +162,7 @@ def test_placeholder_rows_are_not_in_the_revert_list(world, isolated_registry): 
 @pytest.mark.django_db
 def test_a_row_whose_step_is_gone_names_its_action_through_its_payload(isolated_registry):  # C3
     seen = []
-    isolated_registry.register_action(
-        Action(
-            id="t.make",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=lambda **kw: seen.append(kw) or {"ok": True},
-        )
-    )
+    ledger_action(isolated_registry, revert=lambda **kw: seen.append(kw) or {"ok": True})
     run = RunFactory(status="completed")
     ResourceFactory(
         run=run, owner_module="t", kind=STEP_KIND, ref="key-9", payload={"action": "t.make"}
@@ -242,15 +233,7 @@ def test_a_drifted_lease_is_left_alone_and_reported(world):  # C1, C2, C4
 
 @world_db
 def test_ok_with_a_failed_list_reverts_the_rest(world, isolated_registry):  # C4
-    isolated_registry.register_action(
-        Action(
-            id="t.make",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=lambda **kw: {"ok": True, "failed": ["b"]},
-        )
-    )
+    ledger_action(isolated_registry, revert=lambda **kw: {"ok": True, "failed": ["b"]})
     run = RunFactory(status="completed")
     step = new_step(run, "t.make")
     a = ResourceFactory(run=run, step=step, owner_module="t", ref="a")
@@ -272,21 +255,7 @@ def test_ok_with_a_failed_list_reverts_the_rest(world, isolated_registry):  # C4
 def test_a_revert_that_keeps_failing_is_tried_max_times_then_incomplete(
     world, isolated_registry, fault
 ):  # rule 2, C4, C5
-    from project.world import world as w
-
-    # The demo's own action, with a short budget so a hang costs a fraction of a second.
-    isolated_registry.actions.pop("world.spawn")
-    isolated_registry.register_action(
-        Action(
-            id="world.spawn",
-            owner="world",
-            reversible="ledger",
-            budget_ms=300,
-            perform=w.spawn,
-            revert=w.despawn,
-            reconcile=w.still_there,
-        )
-    )
+    short_budget_world_spawn(isolated_registry)
     run = _spawned_run(world, lease=False)
     world.switch_on(fault)
     passes = 0
@@ -342,20 +311,7 @@ def test_reconcile_holds_back_when_the_world_says_everything_is_gone(world):  # 
 @world_db
 @pytest.mark.parametrize("fault", ["reconcile.hang", "reconcile.garbage"])
 def test_an_unanswering_module_leaves_the_ledger_alone(world, isolated_registry, fault):  # C6
-    from project.world import world as w
-
-    isolated_registry.actions.pop("world.spawn")
-    isolated_registry.register_action(
-        Action(
-            id="world.spawn",
-            owner="world",
-            reversible="ledger",
-            budget_ms=300,
-            perform=w.spawn,
-            revert=w.despawn,
-            reconcile=w.still_there,
-        )
-    )
+    short_budget_world_spawn(isolated_registry)
     run = new_run()
     execute_step(spawn_step(run, "north", 2))
     world.restart()
@@ -369,15 +325,7 @@ def test_an_unanswering_module_leaves_the_ledger_alone(world, isolated_registry,
 
 @pytest.mark.django_db
 def test_a_module_without_reconcile_is_unanswered(isolated_registry):  # C6
-    isolated_registry.register_action(
-        Action(
-            id="t.make",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=lambda **kw: {"ok": True},
-        )
-    )
+    ledger_action(isolated_registry)
     run = RunFactory()
     step = new_step(run, "t.make")
     ResourceFactory(run=run, step=step, owner_module="t")
@@ -401,11 +349,7 @@ def test_a_stale_claimants_verdict_is_fenced_and_logged(
         assert Res.claim_group(ids, ttl=timedelta(minutes=1)).rows
         return {"ok": True}
 
-    isolated_registry.register_action(
-        Action(
-            id="t.make", owner="t", reversible="ledger", perform=lambda **kw: None, revert=revert
-        )
-    )
+    ledger_action(isolated_registry, revert=revert)
     run = RunFactory(status="completed")
     step = new_step(run, "t.make")
     rows = [ResourceFactory(run=run, step=step, owner_module="t") for _ in range(3)]
@@ -420,15 +364,7 @@ def test_a_poison_row_is_failed_after_max_claims_without_a_verdict(
     isolated_registry,
 ):  # C4, poison row
     calls = []
-    isolated_registry.register_action(
-        Action(
-            id="t.make",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=lambda **kw: calls.append(1) or {"ok": True},
-        )
-    )
+    ledger_action(isolated_registry, revert=lambda **kw: calls.append(1) or {"ok": True})
     run = RunFactory(status="completed", cleanup_status="pending")
     step = new_step(run, "t.make")
     # Four sweepers died holding it.
@@ -448,15 +384,7 @@ def test_a_poison_row_is_failed_after_max_claims_without_a_verdict(
 
 @pytest.mark.django_db
 def test_a_collision_is_an_answer_within_the_attempt_bound(isolated_registry):  # C4, collisions
-    isolated_registry.register_action(
-        Action(
-            id="t.make",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=lambda **kw: {"ok": True},
-        )
-    )
+    ledger_action(isolated_registry)
     mine, theirs = RunFactory(status="completed", cleanup_status="pending"), RunFactory()
     step = new_step(mine, "t.make")
     ResourceFactory(run=mine, step=step, owner_module="t", ref="t1", status="orphaned")
@@ -479,15 +407,7 @@ def test_a_collision_is_an_answer_within_the_attempt_bound(isolated_registry):  
 def test_one_runs_failure_does_not_stop_the_sweep(isolated_registry, monkeypatch):  # C5
     import events_ledger.cleanup as cleanup
 
-    isolated_registry.register_action(
-        Action(
-            id="t.make",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=lambda **kw: {"ok": True},
-        )
-    )
+    ledger_action(isolated_registry)
     runs = [RunFactory(status="completed", cleanup_status="pending") for _ in range(3)]
     for run in runs:
         ResourceFactory(run=run, step=new_step(run, "t.make"), owner_module="t")
@@ -508,15 +428,7 @@ def test_one_runs_failure_does_not_stop_the_sweep(isolated_registry, monkeypatch
 @pytest.mark.django_db
 def test_sweep_takes_at_most_the_batch(isolated_registry, settings):  # C5, S4
     settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 2}
-    isolated_registry.register_action(
-        Action(
-            id="t.make",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=lambda **kw: {"ok": True},
-        )
-    )
+    ledger_action(isolated_registry)
     for _ in range(3):
         run = RunFactory(status="completed", cleanup_status="pending")
         ResourceFactory(run=run, step=new_step(run, "t.make"), owner_module="t")
@@ -527,15 +439,7 @@ def test_sweep_takes_at_most_the_batch(isolated_registry, settings):  # C5, S4
 @pytest.mark.django_db
 def test_groups_per_run_are_bounded(isolated_registry, settings):  # C4, S4
     settings.EVENTS_LEDGER = {"CLEANUP_GROUPS_PER_RUN": 2}
-    isolated_registry.register_action(
-        Action(
-            id="t.make",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=lambda **kw: {"ok": True},
-        )
-    )
+    ledger_action(isolated_registry)
     run = RunFactory(status="completed", cleanup_status="pending")
     for i in range(3):
         ResourceFactory(run=run, step=new_step(run, "t.make", seq=i), owner_module="t")
@@ -548,15 +452,7 @@ def test_groups_per_run_are_bounded(isolated_registry, settings):  # C4, S4
 def test_giving_back_a_group_costs_the_same_statements_for_5_and_50_rows(
     isolated_registry,
 ):  # C4, groups O(1)
-    isolated_registry.register_action(
-        Action(
-            id="t.make",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=lambda **kw: {"ok": True},
-        )
-    )
+    ledger_action(isolated_registry)
 
     def cost(n):
         run = RunFactory(status="completed", cleanup_status="pending")
@@ -574,15 +470,7 @@ def test_giving_back_a_group_costs_the_same_statements_for_5_and_50_rows(
 def test_plan_lists_what_would_be_given_back_and_writes_nothing(
     isolated_registry,
 ):  # S1 dry run, C3
-    isolated_registry.register_action(
-        Action(
-            id="t.make",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=lambda **kw: {"ok": True},
-        )
-    )
+    ledger_action(isolated_registry)
     run = RunFactory(status="completed", cleanup_status="pending")
     step = new_step(run, "t.make")
     ResourceFactory(run=run, step=step, owner_module="t", ref="a")
@@ -698,15 +586,7 @@ def test_a_sweep_survives_its_connection_dying_mid_run(
             revert=revert_and_kill_the_sweepers_connection,
         )
     )
-    isolated_registry.register_action(
-        Action(
-            id="t.make",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=lambda **kw: {"ok": True},
-        )
-    )
+    ledger_action(isolated_registry)
     doomed = RunFactory(status="completed", cleanup_status="pending")
     ResourceFactory(run=doomed, step=new_step(doomed, "t.kill"), owner_module="t")
     fine = RunFactory(status="completed", cleanup_status="pending")
