@@ -161,7 +161,7 @@ def _give_back(group: Group, rows: list[EventRunResource]) -> Verdict:
 
 def _restore_lease(row: EventRunResource) -> Verdict:
     found = registry.lease_for_ref(row.ref)
-    if found is None or not callable(found.lease.restore):
+    if found is None:
         # Not retryable (nothing changes until an operator reinstalls the module), and
         # not an orphan either: nobody knows whether the value is still applied.
         return Verdict("terminal", f"no module registers the lease {row.ref!r}")
