@@ -81,17 +81,23 @@ def test_the_wheel_installs_into_a_new_project_and_gives_resources_back(tmp_path
     sh(
         sys.executable,
         "-m",
-        "pip",
-        "wheel",
-        "--no-deps",
-        "-q",
-        "-w",
+        "build",
+        "--sdist",
+        "--wheel",
+        "-o",
         str(dist),
         str(ROOT),
         cwd=tmp_path,
         env=env,
     )
     [wheel] = dist.glob("*.whl")
+    [sdist] = dist.glob("*.tar.gz")
+    import tarfile
+
+    with tarfile.open(sdist) as tar:
+        members = [m.split("/", 1)[1] for m in tar.getnames() if "/" in m]
+    assert "events_ledger/migrations/0001_initial.py" in members and "CHANGELOG.md" in members
+    assert not [m for m in members if m.startswith(("project/", "tests/", "docs/"))]
     names = subprocess.run(
         [sys.executable, "-m", "zipfile", "-l", str(wheel)], capture_output=True, text=True
     ).stdout
