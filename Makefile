@@ -3,7 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PYTHON312 ?= python3.12
+# Python 3.12 for the Django 6 line: pyenv's (not on PATH when 3.11 is the global one), or the system's.
+PYTHON312 ?= $(or $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12))),$(shell command -v python3.12 2>/dev/null),python3.12)
 VENV6 := .venv-django6
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | sha1sum | cut -c1-12)
 STAMP6 := $(VENV6)/.installed-$(shell cat requirements-django6.txt | sha1sum | cut -c1-12)
