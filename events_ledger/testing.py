@@ -350,15 +350,7 @@ class _ActionCheck:
         for entry in entries:
             parsed = normalise(entry, self.action.id)
             if parsed.ok and parsed.row is not None:
-                row = parsed.row
-                made.append(
-                    {
-                        "kind": row["kind"],
-                        "ref": row["ref"],
-                        "payload": row["payload"],
-                        "member_key": row["member_key"],
-                    }
-                )
+                made.append(_revert_shape(parsed.row))
             else:
                 refused.append(parsed.reason or "")
         if isinstance(resources, list):
@@ -498,16 +490,18 @@ def _reported(answer: Any, action_id: str) -> list[Resource]:
     for entry in entries if isinstance(entries, list) else []:
         parsed = normalise(entry, action_id)
         if parsed.ok and parsed.row is not None:
-            row = parsed.row
-            out.append(
-                {
-                    "kind": row["kind"],
-                    "ref": row["ref"],
-                    "payload": row["payload"],
-                    "member_key": row["member_key"],
-                }
-            )
+            out.append(_revert_shape(parsed.row))
     return out
+
+
+def _revert_shape(row: dict[str, Any]) -> Resource:
+    """A normalised row as ``revert(resources=...)`` receives it from the ledger."""
+    return {
+        "kind": row["kind"],
+        "ref": row["ref"],
+        "payload": row["payload"],
+        "member_key": row["member_key"],
+    }
 
 
 # ── leases ──

@@ -577,15 +577,7 @@ def test_a_sweep_survives_its_connection_dying_mid_run(
                 c.execute("SELECT pg_terminate_backend(%s)", [sweeper_session])
         return {"ok": True}
 
-    isolated_registry.register_action(
-        Action(
-            id="t.kill",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=revert_and_kill_the_sweepers_connection,
-        )
-    )
+    ledger_action(isolated_registry, "t.kill", revert=revert_and_kill_the_sweepers_connection)
     ledger_action(isolated_registry)
     doomed = RunFactory(status="completed", cleanup_status="pending")
     ResourceFactory(run=doomed, step=new_step(doomed, "t.kill"), owner_module="t")
@@ -600,14 +592,6 @@ def test_a_sweep_survives_its_connection_dying_mid_run(
     row = Res.get(run=doomed)
     assert row.status == "reverting" and row.revert_attempts == 0
     isolated_registry.actions.pop("t.kill")
-    isolated_registry.register_action(
-        Action(
-            id="t.kill",
-            owner="t",
-            reversible="ledger",
-            perform=lambda **kw: None,
-            revert=lambda **kw: {"ok": True},
-        )
-    )
+    ledger_action(isolated_registry, "t.kill")
     age_rows(EventRunResource, [row.pk], seconds=3600)
     assert sweep().runs[0].cleanup_status == "complete"
