@@ -11,7 +11,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from .conf import ledger_settings
-from .db import UtcNow, retrying_deadlocks
+from .db import retrying_deadlocks
 from .deadline import call_with_deadline
 from .envelopes import describe, is_success
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
@@ -192,9 +192,9 @@ def record_answer(
 
     A step that changed the world has changed it; a ledger that raised here would turn
     bookkeeping into a failed step and then into a retried world write. The cost is a
-    fixed number of statements whatever the answer's size: one multi-row INSERT that
-    lets the unique key skip what is already held, one UPDATE confirming this step's
-    new rows, one SELECT naming other runs' holders.
+    fixed number of statements whatever the answer's size: one multi-row INSERT of
+    confirmed rows that lets the unique key skip what is already held, and, only when
+    something was skipped, one SELECT naming other runs' holders.
     """
     out = RecordResult()
     if action.reversible not in LEDGERED:
@@ -216,7 +216,7 @@ def record_answer(
         rows.setdefault((parsed.row["kind"], parsed.row["ref"]), parsed.row)
     try:
         if rows:
-            out.recorded = _insert_and_confirm(run_id, step, action.owner, list(rows.values()))
+            out.recorded = _insert(run_id, step, action.owner, list(rows.values()))
             # Held by this run (this step's earlier attempt, or another of its steps):
             # already recorded, skipped silently. Held by another run: said, by its id.
             # When every target went in, nobody else holds any: no need to ask.
@@ -244,20 +244,12 @@ def record_answer(
     return out
 
 
-def _insert_and_confirm(
-    run_id: int, step: EventRunStep, owner: str, rows: list[dict[str, Any]]
-) -> int:
-    def write() -> int:
-        # The unique key decides: a target already held (by this step's earlier attempt,
-        # or by anyone) is skipped by the database, never checked first.
-        EventRunResource.objects.bulk_reserve(run_id, step, owner, rows)
-        return (
-            EventRunResource.objects.filter(step=step, status="pending")
-            .exclude(kind=STEP_KIND)
-            .update(status="confirmed", updated_at=UtcNow())
-        )
-
-    return retrying_deadlocks(write)
+def _insert(run_id: int, step: EventRunStep, owner: str, rows: list[dict[str, Any]]) -> int:
+    # The unique key decides: a target already held (by this step's earlier attempt,
+    # or by anyone) is skipped by the database, never checked first.
+    return retrying_deadlocks(
+        lambda: EventRunResource.objects.bulk_record(run_id, step, owner, rows)
+    )
 
 
 # ── W5, W6 ──
