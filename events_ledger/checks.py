@@ -16,6 +16,7 @@ E003 = "events_ledger.E003"  # ledger action without revert
 E004 = "events_ledger.E004"  # lease without restore
 E005 = "events_ledger.E005"  # action without perform
 E006 = "events_ledger.E006"  # bad setting
+E007 = "events_ledger.E007"  # a budget as long as a claim's TTL
 W001 = "events_ledger.W001"  # unknown setting key
 
 HINT_REVERT = "A 'ledger' action must declare revert(*, run_id, resources, idempotency_key)."
@@ -53,6 +54,46 @@ def check_registrations(app_configs: Any = None, **kwargs: Any) -> list[Any]:
             )
         if not callable(lease.read) or not callable(lease.apply):
             errors.append(Error(f"lease {lease.id!r} must declare read() and apply().", id=E004))
+    return errors + _budget_errors()
+
+
+def _budget_errors() -> list[Any]:
+    """A call that may outlive the claim that covers it breaks "one call at a time": a
+    step's claim (or a revert's) would look dead to another worker while the call runs.
+    A live worker keeps a step's claim fresh, but a process that stalls (swapped out,
+    stopped) stamps nothing, so the budget must fit inside the TTL all the same."""
+    try:
+        step_ttl = ledger_settings.STEP_CLAIM_TTL.total_seconds()
+        revert_ttl = ledger_settings.REVERT_CLAIM_TTL.total_seconds()
+        default = ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds()
+    except Exception:  # reported by check_settings
+        return []
+    errors: list[Any] = []
+
+    def too_long(what: str, budget_s: float, ttl_s: float, ttl_name: str) -> None:
+        if budget_s >= ttl_s:
+            errors.append(
+                Error(
+                    f"{what} has a budget of {budget_s:g}s, not shorter than "
+                    f"{ttl_name} ({ttl_s:g}s).",
+                    hint=f"Shorten the budget or lengthen EVENTS_LEDGER[{ttl_name!r}]: a call "
+                    "must end before the claim that covers it can be taken for dead.",
+                    id=E007,
+                )
+            )
+
+    if default >= revert_ttl:
+        too_long("DEFAULT_REVERT_BUDGET", default, revert_ttl, "REVERT_CLAIM_TTL")
+    for action in registry.actions.values():
+        budget = (action.budget_ms or 0) / 1000
+        if callable(action.perform):
+            too_long(f"action {action.id!r}", budget, step_ttl, "STEP_CLAIM_TTL")
+        if callable(action.revert):
+            too_long(f"action {action.id!r}", budget or default, revert_ttl, "REVERT_CLAIM_TTL")
+    for lease in registry.leases.values():
+        budget = (lease.budget_ms or 0) / 1000 or default
+        too_long(f"lease {lease.id!r}", budget, step_ttl, "STEP_CLAIM_TTL")
+        too_long(f"lease {lease.id!r}", budget, revert_ttl, "REVERT_CLAIM_TTL")
     return errors
 
 

@@ -8,10 +8,11 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, connection, transaction
+from django.db.models import Exists, OuterRef
 
 from .conf import ledger_settings
-from .db import is_connection_lost
+from .db import bounded, is_connection_lost, retrying_deadlocks, storable, storable_json
 from .deadline import call_with_deadline
 from .envelopes import Verdict, classify_revert, describe
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
@@ -52,6 +53,15 @@ class Group:
     lease_ref: str | None = None
     idempotency_key: str | None = None
     problem: str | None = None
+    #: The step that made these rows is in flight (a call of it may still change the
+    #: world): who holds it and since when. Cleanup waits for it.
+    waiting_for: dict[str, Any] | None = None
+
+    @property
+    def by_key(self) -> bool:
+        """The step's placeholder is unresolved, so its answer may not be wholly on the
+        ledger: the module is asked for everything the key made (``resources=[]``)."""
+        return self.lease_ref is None and any(r.kind == STEP_KIND for r in self.rows)
 
     @property
     def what(self) -> str:
@@ -59,55 +69,88 @@ class Group:
 
     @property
     def call(self) -> str:
+        if self.waiting_for:
+            w = self.waiting_for
+            return (
+                f"waits for step {w['step']} ({w['action']}) in flight on "
+                f"{w['claimed_by'] or 'an unknown host'} since {w['claimed_at']}"
+            )
         if self.lease_ref:
             return f"restore {self.lease_ref}"
-        refs = [f"{r.kind}:{r.ref}" for r in self.rows if r.kind != STEP_KIND]
+        refs = [] if self.by_key else [f"{r.kind}:{r.ref}" for r in self.rows]
         return f"{self.action_id}.revert(key={self.idempotency_key}, resources={refs})"
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, limit: int | None = None) -> dict[str, Any]:
+        refs = [f"{r.kind}:{r.ref}" for r in self.rows]
         return {
             "call": "restore" if self.lease_ref else "revert",
             "what": self.what,
             "idempotency_key": self.idempotency_key,
-            "resources": [f"{r.kind}:{r.ref}" for r in self.rows],
+            "by_key": self.by_key,
+            "resources": refs if limit is None else bounded(refs, limit),
             "problem": self.problem,
+            "waiting_for": self.waiting_for,
         }
 
 
-def group_rows(rows: Iterable[EventRunResource]) -> list[Group]:
+def group_rows(rows: Iterable[EventRunResource], step_ttl: Any = None) -> list[Group]:
     """C2/C3: a lease row is its own group; other rows are grouped by the step that
     made them, which names the action and the idempotency key. A row whose step is
-    gone names its action through its own payload (a placeholder always does)."""
+    gone names its action through its own payload (a placeholder always does). With
+    ``step_ttl``, a group whose step is in flight says so (``waiting_for``)."""
     rows = list(rows)
     # The steps' action and key, once per step rather than once per row.
-    steps = (
-        dict(
-            (pk, (action_id, key))
-            for pk, action_id, key in EventRunStep.objects.filter(
-                pk__in={r.step_id for r in rows if r.step_id is not None and r.kind != "override"}
-            ).values_list("pk", "action_id", "idempotency_key")
-        )
-        if any(r.step_id is not None and r.kind != "override" for r in rows)
-        else {}
-    )
+    step_ids = {r.step_id for r in rows if r.step_id is not None}
+    steps: dict[Any, tuple[Any, ...]] = {}
+    if step_ids:
+        qs = EventRunStep.objects.filter(pk__in=step_ids)
+        if step_ttl is not None:
+            live = EventRunStep.objects.in_flight(step_ttl).filter(pk=OuterRef("pk"))
+            qs = qs.annotate(live=Exists(live))
+            fields: tuple[str, ...] = (
+                "pk",
+                "action_id",
+                "idempotency_key",
+                "claimed_by",
+                "claimed_at",
+                "live",
+            )
+        else:
+            fields = ("pk", "action_id", "idempotency_key")
+        steps = {found[0]: found[1:] for found in qs.values_list(*fields)}
     leases: list[Group] = []
     by_step: dict[Any, Group] = {}
     for row in rows:
+        step = steps.get(row.step_id) if row.step_id is not None else None
         if row.kind == "override":
-            leases.append(Group(rows=[row], lease_ref=row.ref))
+            lease = Group(rows=[row], lease_ref=row.ref)
+            lease.waiting_for = _waiting_for(row.step_id, step)
+            leases.append(lease)
             continue
         key = ("step", row.step_id) if row.step_id is not None else ("row", row.pk)
-        group = by_step.get(key)
+        group: Group | None = by_step.get(key)
         if group is None:
-            step = steps.get(row.step_id) if row.step_id is not None else None
             payload = row.payload if isinstance(row.payload, dict) else {}
             action_id = step[0] if step else payload.get("action")
             idem = step[1] if step else (row.ref if row.kind == STEP_KIND else None)
             group = by_step[key] = Group(rows=[], action_id=action_id, idempotency_key=idem)
+            group.waiting_for = _waiting_for(row.step_id, step)
             if not action_id:
                 group.problem = "nothing records which action created this resource"
         group.rows.append(row)
     return leases + list(by_step.values())
+
+
+def _waiting_for(step_id: Any, step: tuple[Any, ...] | None) -> dict[str, Any] | None:
+    if step is None or len(step) < 5 or not step[4]:
+        return None
+    claimed_at = step[3]
+    return {
+        "step": step_id,
+        "action": step[0],
+        "claimed_by": step[2],
+        "claimed_at": claimed_at.isoformat() if claimed_at else None,
+    }
 
 
 def _groups_for(run: EventRun, human: bool) -> list[Group]:
@@ -116,7 +159,9 @@ def _groups_for(run: EventRun, human: bool) -> list[Group]:
         max_attempts=None if human else ledger_settings.MAX_REVERT_ATTEMPTS,
         max_claims=None if human else ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
     )
-    return group_rows(rows)[: ledger_settings.CLEANUP_GROUPS_PER_RUN]
+    return group_rows(rows, ledger_settings.STEP_CLAIM_TTL)[
+        : ledger_settings.CLEANUP_GROUPS_PER_RUN
+    ]
 
 
 def plan_run(run: EventRun | int, reset_attempts: bool = False) -> list[Group]:
@@ -143,11 +188,18 @@ def _give_back(group: Group, rows: list[EventRunResource]) -> Verdict:
     revert = action.revert
     if not callable(revert):
         return Verdict("terminal", f"{action.id} declares no revert()")
-    resources = [
-        {"kind": r.kind, "ref": r.ref, "payload": r.payload, "member_key": r.member_key}
-        for r in rows
-        if r.kind != STEP_KIND
-    ]
+    # While the step's placeholder is unresolved its answer may be on the ledger in
+    # part only (a refused entry, a failed write, a crash between chunks): the list
+    # would then be a subset, and a module that gives back what it is given would leave
+    # the rest in the world. The contract's empty list means "everything this key made".
+    resources = (
+        []
+        if group.by_key
+        else [
+            {"kind": r.kind, "ref": r.ref, "payload": r.payload, "member_key": r.member_key}
+            for r in rows
+        ]
+    )
     budget = (action.budget_ms or 0) / 1000 or ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds()
     call = call_with_deadline(
         lambda: revert(
@@ -160,12 +212,16 @@ def _give_back(group: Group, rows: list[EventRunResource]) -> Verdict:
 
 
 def _restore_lease(row: EventRunResource) -> Verdict:
+    payload = row.payload if isinstance(row.payload, dict) else {}
+    if "baseline" not in payload:
+        # Reserved, but its baseline was never read onto it, so nothing was applied
+        # (a lease applies only after its baseline is on the row): nothing to put back.
+        return Verdict("done")
     found = registry.lease_for_ref(row.ref)
     if found is None:
         # Not retryable (nothing changes until an operator reinstalls the module), and
         # not an orphan either: nobody knows whether the value is still applied.
         return Verdict("terminal", f"no module registers the lease {row.ref!r}")
-    payload = row.payload if isinstance(row.payload, dict) else {}
     lease = found.lease
     restore = lease.restore
     if not callable(restore):
@@ -200,6 +256,8 @@ class CleanupSummary:
     reset: int | None = None
     errors: list[str] = field(default_factory=list)
     groups: list[dict[str, Any]] = field(default_factory=list)
+    #: Steps in flight this cleanup waited for (their rows were left for a later pass).
+    waiting: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -222,7 +280,9 @@ class _LogBuffer:
         self.entries: list[EventRunLog] = []
 
     def add(self, kind: str, detail: dict[str, Any]) -> None:
-        self.entries.append(EventRunLog(run_id=self.run.pk, kind=kind, detail=detail))
+        self.entries.append(
+            EventRunLog(run_id=self.run.pk, kind=kind, detail=storable_json(detail))
+        )
 
     def flush(self) -> None:
         if self.entries:
@@ -256,15 +316,28 @@ def _cleanup(
 ) -> CleanupSummary:
     summary = CleanupSummary(run_id=run.pk)
     if reset_attempts:
-        summary.reset = Res.reset_attempts(run)
-        EventRun.objects.set_cleanup_status(run, "pending")
-        log.add("cleanup.retry", {"resources": summary.reset, "by": actor})
+        # The human's licence and its record land together: a pass killed after the
+        # reset cannot lose who reset how many rows.
+        with transaction.atomic():
+            summary.reset = Res.reset_attempts(run)
+            EventRun.objects.set_cleanup_status(run, "pending")
+            EventRunLog.objects.write(
+                run, "cleanup.retry", {"resources": summary.reset, "by": actor}
+            )
 
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
+    step_ttl = ledger_settings.STEP_CLAIM_TTL
     for group in _groups_for(run, human=reset_attempts):
+        if group.waiting_for:
+            # A call of the step may still make something: give nothing of it back yet,
+            # or the give-back by key runs before the object exists. The run stays
+            # pending and a later pass comes back.
+            summary.waiting.append(group.waiting_for)
+            continue
         claim = Res.claim_group(
             group.rows,
             released=any(r.status in ("orphaned", "drifted") for r in group.rows),
+            step_ttl=step_ttl,
         )
         for pk in claim.collided:
             holder = Res.note_collision(pk)
@@ -362,7 +435,9 @@ def _apply(
             },
         )
     _log_verdict(log, group, rows, verdict)
-    summary.groups.append({**group.describe(), "outcome": verdict.outcome, "error": verdict.error})
+    summary.groups.append(
+        {**group.describe(limit=50), "outcome": verdict.outcome, "error": verdict.error}
+    )
 
 
 def _log_verdict(
@@ -374,12 +449,14 @@ def _log_verdict(
     detail: dict[str, Any] = {
         "what": group.what,
         "outcome": verdict.outcome,
-        "resources": [f"{r.kind}:{r.ref}" for r in rows],
+        "resources": bounded([f"{r.kind}:{r.ref}" for r in rows]),
     }
+    if group.by_key:
+        detail["by_key"] = group.idempotency_key
     if verdict.error:
         detail["error"] = verdict.error
     if verdict.failed:
-        detail["failed"] = verdict.failed
+        detail["failed"] = bounded(verdict.failed)
     log.add(kind, detail)
 
 
@@ -390,23 +467,45 @@ def _log_verdict(
 class SweepReport:
     runs: list[CleanupSummary] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
-    repaired: int = 0
+    #: Runs whose summary the repair re-derived, with the summary each has now.
+    repaired_runs: list[tuple[int, str]] = field(default_factory=list)
+    #: The repair itself failed (logged; the pass went on without it).
+    repair_error: str | None = None
+
+    @property
+    def repaired(self) -> int:
+        return len(self.repaired_runs)
 
     @property
     def incomplete(self) -> list[int]:
-        return [s.run_id for s in self.runs if s.cleanup_status == "incomplete"]
+        """Runs this pass left ``incomplete``, by any path (a cleanup or the repair)."""
+        ids = {s.run_id for s in self.runs if s.cleanup_status == "incomplete"}
+        ids |= {pk for pk, status in self.repaired_runs if status == "incomplete"}
+        return sorted(ids)
 
 
 def sweep(limit: int | None = None, should_stop: Callable[[], bool] | None = None) -> SweepReport:
     """C5, the cron's leg: terminal runs only (a run in flight still grows its
     ledger), at most ``CLEANUP_RUN_BATCH`` of them; one run's failure is logged and
-    does not stop the others. Summaries that disagree with their rows are repaired."""
+    does not stop the others. Summaries that disagree with their rows are repaired.
+
+    Every statement either is retried where no transaction is open (a deadlock) or
+    costs the one run it was for; only a failed scan, when nothing can be worked at
+    all, raises.
+    """
     report = SweepReport()
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
-    report.repaired = EventRun.objects.repair_cleanup_summaries(max_attempts, max_claims)
-    runs = Res.runs_needing_cleanup(
-        limit or ledger_settings.CLEANUP_RUN_BATCH, max_attempts, max_claims
+    try:
+        report.repaired_runs = EventRun.objects.repair_cleanup_summaries(max_attempts, max_claims)
+    except DatabaseError as exc:
+        logger.exception("repairing cleanup summaries failed; the pass goes on without it")
+        report.repair_error = f"{type(exc).__name__}: {exc}"
+        _drop_if_dead(exc)
+    runs = retrying_deadlocks(
+        lambda: Res.runs_needing_cleanup(
+            limit or ledger_settings.CLEANUP_RUN_BATCH, max_attempts, max_claims
+        )
     )
     for run in runs:
         if should_stop is not None and should_stop():
@@ -417,18 +516,26 @@ def sweep(limit: int | None = None, should_stop: Callable[[], bool] | None = Non
             report.runs.append(cleanup_run(run))
         except Exception as exc:
             logger.exception("cleanup of run %s failed", run.pk)
-            report.errors[run.pk] = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, DatabaseError) and (is_connection_lost(exc) or not _usable()):
+            report.errors[run.pk] = storable(f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, DatabaseError) and _drop_if_dead(exc):
                 # The server went away ("gone away", a lost or killed connection): the
                 # next run gets a new connection. A verdict whose answer was lost is
                 # fenced by its claim, so the row is simply reclaimed after the TTL.
-                connection.close()
                 continue
             try:
                 EventRunLog.objects.write(run, "cleanup.error", {"error": report.errors[run.pk]})
-            except DatabaseError:
-                connection.close()
+            except DatabaseError as log_exc:
+                _drop_if_dead(log_exc)
     return report
+
+
+def _drop_if_dead(exc: BaseException) -> bool:
+    """Close the connection when the error says it is dead, so the next statement
+    reconnects. Answers whether it was."""
+    if is_connection_lost(exc) or not _usable():
+        connection.close()
+        return True
+    return False
 
 
 def _usable() -> bool:
@@ -451,6 +558,9 @@ class ReconcileSummary:
     would_orphan: int = 0
     held_back: bool = False
     reason: str | None = None
+    #: Reconcile calls that failed (raised, timed out, answered no envelope), and a
+    #: failure of the reconcile itself: each makes ``reconcile_resources`` exit 1.
+    errors: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -494,9 +604,9 @@ def reconcile_module(
             or not isinstance(answer.get("in_force"), list)
         ):
             summary.unanswered += len(group.rows)
-            logger.warning(
-                "reconcile of %s unanswered: %s", action.id, call.message or describe(answer)
-            )
+            error = storable(call.message or f"{action.id}.reconcile answered {describe(answer)}")
+            summary.errors.append(error)
+            logger.warning("reconcile of %s unanswered: %s", action.id, error)
             continue
         summary.asked += len(group.rows)
         in_force = {str(ref) for ref in answer["in_force"]}
@@ -521,9 +631,22 @@ def reconcile_module(
         summary.orphaned = Res.mark_orphaned(
             [r.pk for r, _ in missing], "the module reports this is no longer in force"
         )
+        # A row claimed by a sweeper since it was read is left alone (R10): only the
+        # rows the UPDATE moved are logged as orphaned.
+        orphaned = (
+            set(
+                Res.filter(pk__in=[r.pk for r, _ in missing], status="orphaned").values_list(
+                    "pk", flat=True
+                )
+            )
+            if summary.orphaned < len(missing)
+            else {r.pk for r, _ in missing}
+        )
+        missing = [(r, a) for r, a in missing if r.pk in orphaned]
         by_run: dict[int, list[str]] = {}
         for row, _action_id in missing:
             by_run.setdefault(row.run_id, []).append(f"{row.kind}:{row.ref}")
+        by_run = {run_id: bounded(refs, 200) for run_id, refs in by_run.items()}
         EventRunLog.objects.bulk_create(
             [
                 EventRunLog(
@@ -545,7 +668,8 @@ def reconcile_all(*, force: bool = False) -> dict[str, ReconcileSummary]:
             out[owner] = reconcile_module(owner, force=force)
         except Exception as exc:
             logger.exception("reconcile of %s failed", owner)
-            out[owner] = ReconcileSummary(owner=owner, reason=f"{type(exc).__name__}: {exc}")
+            error = storable(f"{type(exc).__name__}: {exc}")
+            out[owner] = ReconcileSummary(owner=owner, reason=error, errors=[error])
     return out
 
 

@@ -55,6 +55,42 @@ class KeyCharField(models.CharField):
         return params
 
 
+def storable(text: object, limit: int | None = None) -> str:
+    """Text every backend can store: no NUL (PostgreSQL refuses it in text and JSON) and
+    no lone surrogate (utf8mb4 and PostgreSQL refuse those). A module's error message
+    may hold either; refusing to store it would leave a step's outcome unwritten."""
+    out = str(text).replace("\x00", "\\x00")
+    out = out.encode("utf-8", "replace").decode("utf-8")
+    return out if limit is None else out[:limit]
+
+
+def storable_json(value: Any, depth: int = 0) -> Any:
+    """A log detail with every string made storable (see ``storable``)."""
+    if isinstance(value, str):
+        return storable(value)
+    if depth > 20:
+        return storable(repr(value))
+    if isinstance(value, dict):
+        return {storable(k): storable_json(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [storable_json(v, depth + 1) for v in value]
+    return value
+
+
+def bounded(items: list[Any], limit: int = 20) -> list[Any]:
+    """At most ``limit`` entries of a list for a log entry, and how many were left out:
+    20,000 refused entries make one readable entry, not a megabyte."""
+    if len(items) <= limit:
+        return list(items)
+    return [*items[:limit], f"… and {len(items) - limit} more"]
+
+
+def chunked(items: list[Any], size: int = 2000) -> list[list[Any]]:
+    """Id lists cut under every backend's bind-parameter limit (SQLite's 32,766 and
+    PostgreSQL's 65,535), so one step's 100,000 rows are claimed and given back."""
+    return [items[i : i + size] for i in range(0, len(items), size)] or [[]]
+
+
 def _driver_error(exc: BaseException) -> BaseException:
     return exc.__cause__ or exc
 

@@ -23,6 +23,8 @@ class CallResult:
     timed_out: bool = False
     what: str = ""
     budget_s: float = 0.0
+    #: The answer of a call that had outlived its deadline, handed to ``late``.
+    late: bool = False
 
     @property
     def message(self) -> str:
@@ -54,34 +56,74 @@ def _note_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
 connection_created.connect(_note_connection, dispatch_uid="events_ledger.deadline")
 
 
-def call_with_deadline(fn: Callable[[], Any], budget_s: float, what: str) -> CallResult:
+def call_with_deadline(
+    fn: Callable[[], Any],
+    budget_s: float,
+    what: str,
+    *,
+    late: Callable[[CallResult], None] | None = None,
+) -> CallResult:
     """Call ``fn`` in a daemon thread and wait at most ``budget_s`` seconds.
 
     Python cannot kill a thread: a call abandoned at its deadline may still change
-    the world later, which is exactly why a step's placeholder stays pending then.
-    The thread is a daemon so a hung call never blocks process exit. It closes its
-    database connections when it ends; when it does not end in time, the server-side
-    sessions it opened are killed, so none is left open behind the caller.
+    the world later. ``late``, when given, is called in that thread with the answer
+    the call gives after its deadline, so the answer is recorded rather than lost;
+    whether the call ended in time or late is decided under one lock, so exactly one
+    of the caller and ``late`` sees the answer. The thread is a daemon so a hung call
+    never blocks process exit. It closes its database connections when it ends. A call
+    abandoned with no ``late`` has the server-side sessions it opened killed, so none
+    is left open (holding locks or a transaction) behind the caller; one whose answer
+    is awaited keeps them until it ends.
     """
-    box: dict[str, Any] = {"opened": []}
+    box: dict[str, Any] = {"opened": [], "state": "running"}
+    lock = threading.Lock()
 
     def target() -> None:
         _watched.opened = box["opened"]
+        value: Any = None
+        error: BaseException | None = None
         try:
-            box["value"] = fn()
+            value = fn()
         except BaseException as exc:  # a module may raise anything; it is an answer
-            box["error"] = exc
+            error = exc
         finally:
             _watched.opened = None
-            connections.close_all()
+            _close_connections()
+        with lock:
+            box["value"], box["error"], box["opened"] = value, error, []
+            abandoned = box["state"] == "abandoned"
+            box["state"] = "done"
+        if abandoned and late is not None:
+            try:
+                late(CallResult(value, error, what=what, budget_s=budget_s, late=True))
+            except BaseException:
+                logger.exception("handling the late answer of %s failed", what)
+            finally:
+                _close_connections()
 
     worker = threading.Thread(target=target, name=f"events-ledger:{what}", daemon=True)
     worker.start()
     worker.join(budget_s)
-    if worker.is_alive():
-        _abandon(box["opened"])
-        return CallResult(timed_out=True, what=what, budget_s=budget_s)
-    return CallResult(value=box.get("value"), error=box.get("error"), what=what, budget_s=budget_s)
+    with lock:
+        if box["state"] == "done":
+            return CallResult(
+                value=box.get("value"), error=box.get("error"), what=what, budget_s=budget_s
+            )
+        box["state"] = "abandoned"
+        opened = list(box["opened"])
+    if late is None:
+        _abandon(opened)
+    # else: the call is still in the world and its answer is awaited; its sessions are
+    # part of it (killing them would fail a call that was about to answer). It closes
+    # them when it ends.
+    return CallResult(timed_out=True, what=what, budget_s=budget_s)
+
+
+def _close_connections() -> None:
+    try:
+        connections.close_all()
+    except Exception:  # a killed session may fail to close; it is gone either way
+        logger.debug("closing a worker thread's connections failed", exc_info=True)
 
 
 def _abandon(opened: list[tuple[str, str, Any, Any]]) -> None:

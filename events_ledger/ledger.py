@@ -11,9 +11,10 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from .conf import ledger_settings
-from .db import retrying_deadlocks
-from .deadline import call_with_deadline
+from .db import bounded, retrying_deadlocks, storable, storable_json
+from .deadline import CallResult, call_with_deadline
 from .envelopes import describe, is_success
+from .inflight import keeper, process_name
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from .registry import LEASE_ACTION_ID, Action
 from .registry import default_registry as registry
@@ -64,12 +65,14 @@ def normalise(entry: Any, action_id: str) -> Normalised:
         return _refuse(
             action_id, f"with a bad ref {describe(entry.get('ref'), 80)} (1–{MAX_REF} characters)"
         )
-    if "\x00" in kind or "\x00" in ref:
-        return _refuse(action_id, "with a NUL character in its kind or ref")
+    if "\x00" in kind or "\x00" in ref or not _utf8(kind) or not _utf8(ref):
+        return _refuse(action_id, "with a NUL or a lone surrogate in its kind or ref")
     member_key = entry.get("member_key", entry.get("memberKey"))
     member_key = None if member_key is None else str(member_key)
     if member_key is not None and len(member_key) > MAX_MEMBER_KEY:
         return _refuse(action_id, f"with a member_key over {MAX_MEMBER_KEY} characters")
+    if member_key is not None and ("\x00" in member_key or not _utf8(member_key)):
+        return _refuse(action_id, "with a NUL or a lone surrogate in its member_key")
     until = entry.get("until")
     lease_until: datetime | None = None
     if until is not None:
@@ -120,21 +123,55 @@ def parse_until(value: Any) -> datetime | None:
     return parsed
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_json(payload: Any) -> None:
     import json
 
     from django.core.serializers.json import DjangoJSONEncoder
 
     json.dumps(payload, cls=DjangoJSONEncoder, allow_nan=False)
+    # What one backend stores and another refuses is refused for all: PostgreSQL's
+    # jsonb has no NUL, and no backend stores a lone surrogate.
+    if not _storable_strings(payload):
+        raise ValueError("it holds a NUL or a lone surrogate")
+
+
+def _storable_strings(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, str):
+        return "\x00" not in value and _utf8(value)
+    if depth > 100:
+        return True  # json.dumps has already refused anything circular
+    if isinstance(value, dict):
+        return all(
+            _storable_strings(k, depth + 1) and _storable_strings(v, depth + 1)
+            for k, v in value.items()
+        )
+    if isinstance(value, (list, tuple)):
+        return all(_storable_strings(v, depth + 1) for v in value)
+    return True
 
 
 # ── W4 ──
 
 
 def mark_run_dirty(run: Any) -> bool:
-    """W4: there is something to give back. ``not_required → pending`` only, so it can
-    never walk a run back from ``complete`` or ``incomplete``."""
-    return EventRun.objects.set_cleanup_status(run, "pending", only_from=["not_required"])
+    """W4: there is something to give back: ``not_required|complete → pending``.
+
+    ``complete`` is in because a row can be recorded after a run's cleanup ended (the
+    late answer of a call that outlived its deadline, a step whose claim went stale and
+    came back): the summary said "nothing left" of rows that did not exist yet.
+    ``incomplete`` stays: it waits for a human, and the sweep's repair re-derives it
+    from the rows when new ones arrive."""
+    return EventRun.objects.set_cleanup_status(
+        run, "pending", only_from=["not_required", "complete"]
+    )
 
 
 # ── W2 ──
@@ -174,11 +211,19 @@ def reserve_step(run: Any, step: EventRunStep, action: Action) -> int | None:
 
 # ── W3 ──
 
+#: How many refusal reasons a step's log entry and warning carry; the rest are counted.
+REASONS_SHOWN = 20
+
 
 @dataclass
 class RecordResult:
     recorded: int = 0
     rejected: list[str] = field(default_factory=list)
+    #: Every entry of the answer is on the ledger (recorded now, or held already by
+    #: this run), so the placeholder could be resolved.
+    complete: bool = False
+    #: The placeholder was found already given back (the answer came after cleanup).
+    late_for_cleanup: bool = False
 
 
 def record_answer(
@@ -194,14 +239,24 @@ def record_answer(
     bookkeeping into a failed step and then into a retried world write. The cost is a
     fixed number of statements whatever the answer's size: one multi-row INSERT of
     confirmed rows that lets the unique key skip what is already held, and, only when
-    something was skipped, one SELECT naming other runs' holders.
+    something was skipped, one SELECT naming the holders.
+
+    The placeholder is resolved only when the whole answer is on the ledger: every
+    entry recorded, or held already by this run. A refused entry, a target held by
+    another run, a failed write: each keeps it pending, and cleanup then asks the
+    module for everything the step's key made, not only the rows recorded here.
     """
     out = RecordResult()
     if action.reversible not in LEDGERED:
+        out.complete = True
         return out
     run_id = getattr(run, "pk", run)
-    entries = resources if isinstance(resources, list) else []
-    if resources is not None and not isinstance(resources, list):
+    if resources is None:
+        entries: list[Any] = []
+    elif isinstance(resources, (list, tuple)):
+        entries = list(resources)
+    else:
+        entries = []
         out.rejected.append(
             f"{action.id} reported resources that are not a list: {describe(resources, 60)}"
         )
@@ -210,37 +265,61 @@ def record_answer(
         parsed = normalise(entry, action.id)
         if not parsed.ok:
             out.rejected.append(parsed.reason or "")
-            logger.warning("run %s step %s: %s", run_id, step.pk, parsed.reason)
             continue
         assert parsed.row is not None
         rows.setdefault((parsed.row["kind"], parsed.row["ref"]), parsed.row)
+    if out.rejected:
+        # One warning per answer, however many entries it refused.
+        logger.warning(
+            "run %s step %s: %s refused %d reported resource(s), the placeholder stays: %s",
+            run_id,
+            step.pk,
+            action.id,
+            len(out.rejected),
+            "; ".join(bounded(out.rejected, 3)),
+        )
     try:
         if rows:
             out.recorded = _insert(run_id, step, action.owner, list(rows.values()))
             # Held by this run (this step's earlier attempt, or another of its steps):
             # already recorded, skipped silently. Held by another run: said, by its id.
             # When every target went in, nobody else holds any: no need to ask.
-            skipped = rows if out.recorded < len(rows) else {}
-            holders = EventRunResource.objects.holders(action.owner, skipped)
-            for (kind, ref), holder in sorted(holders.items()):
-                if holder.run_id != run_id:
-                    out.rejected.append(f"{kind} {ref!r} is already held by run {holder.run_id}")
-        if out.recorded and placeholder_id is None:
-            # With a placeholder the run was marked dirty when it was written (W2).
-            mark_run_dirty(run_id)
+            if out.recorded < len(rows):
+                holders = EventRunResource.objects.holders(action.owner, rows)
+                for kind, ref in sorted(rows):
+                    holder = holders.get((kind, ref))
+                    if holder is None:
+                        # Skipped by the unique key, and its holder let go since: this
+                        # run's ledger does not have it.
+                        out.rejected.append(f"{kind} {ref!r} was not recorded (its holder let go)")
+                    elif holder.run_id != run_id:
+                        out.rejected.append(
+                            f"{kind} {ref!r} is already held by run {holder.run_id}"
+                        )
     except Exception as exc:  # bookkeeping must not become the step's control flow
         logger.exception("run %s step %s: recording failed", run_id, step.pk)
-        out.rejected.append(f"recording failed: {type(exc).__name__}: {exc}")
+        out.rejected.append(f"recording failed: {type(exc).__name__}: {storable(exc)}")
         # The placeholder stays: rule 1, cleanup reverts the step by its key.
         return out
-    # Resolved even when the module reported nothing: "ok, I made nothing" is an answer,
-    # and an open placeholder would call revert() for this step on every terminal path.
-    if placeholder_id:
-        try:
-            EventRunResource.objects.resolve_placeholder(placeholder_id)
-        except Exception as exc:
-            logger.exception("run %s step %s: resolving the placeholder failed", run_id, step.pk)
-            out.rejected.append(f"resolving the placeholder failed: {exc}")
+    if out.rejected:
+        return out
+    out.complete = True
+    try:
+        # Resolved even when the module reported nothing: "ok, I made nothing" is an
+        # answer, and an open placeholder would call revert() for this step at the end.
+        resolved = bool(placeholder_id) and EventRunResource.objects.resolve_placeholder(
+            placeholder_id
+        )
+        if out.recorded and not resolved:
+            # No placeholder marked the run dirty, or cleanup gave it back already
+            # (its claim had gone stale): these rows are new to a summary that may say
+            # "complete". (W4; the sweep's repair is the second net.)
+            out.late_for_cleanup = bool(placeholder_id)
+            mark_run_dirty(run_id)
+    except Exception as exc:
+        logger.exception("run %s step %s: resolving the placeholder failed", run_id, step.pk)
+        out.complete = False
+        out.rejected.append(f"resolving the placeholder failed: {storable(exc)}")
     return out
 
 
@@ -257,7 +336,10 @@ def _insert(run_id: int, step: EventRunStep, owner: str, rows: list[dict[str, An
 
 @dataclass
 class StepResult:
-    """What ``execute_step`` did. ``outcome``: done, retry, failed, refused or busy."""
+    """What ``execute_step`` did. ``outcome``: ``done``, ``retry``, ``failed``,
+    ``refused``, ``busy`` (another call of the step holds it), or ``overdue`` (the call
+    outlived its deadline and still runs: the step stays claimed until it ends, and its
+    answer is recorded then)."""
 
     outcome: str
     recorded: int = 0
@@ -269,49 +351,95 @@ class StepResult:
 def execute_step(step_or_id: EventRunStep | int) -> StepResult:
     """W5: run one step, with everything it changes on the ledger first.
 
-    Claims the step (two workers never run one step), writes the placeholder, calls
-    ``perform`` under the action's deadline with the step's idempotency key, records the
-    answer and settles the step. Nothing but ``ok: True`` is success; a lost answer
-    (timeout, exception) leaves the placeholder pending for cleanup to revert by key.
+    Claims the step (one call of a step in the world at a time, across processes and
+    hosts), writes the placeholder, calls ``perform`` under the action's deadline with
+    the step's idempotency key, records the answer and settles the step. Nothing but
+    ``ok: True`` is success; a lost answer (exception) leaves the placeholder pending
+    for cleanup to revert by key.
+
+    A call that outlives its deadline is not given up on: its thread goes on, the
+    step's claim is kept fresh while it lives (so a retry answers ``busy`` and cleanup
+    waits), and its answer, when it comes, is recorded and the step settled.
     """
-    step_id = getattr(step_or_id, "pk", step_or_id)
-    token = EventRunStep.objects.claim(step_id)
+    step_id: int = step_or_id.pk if isinstance(step_or_id, EventRunStep) else int(step_or_id)
+    token = EventRunStep.objects.claim(step_id, by=process_name())
     if token is None:
-        return StepResult("busy", error="another worker holds this step")
+        return StepResult("busy", error="another call of this step holds its claim")
+    keeper.hold(token, step_id)
+    handed_over = False
+    try:
+        result, handed_over = _execute(step_id, token)
+        return result
+    finally:
+        if not handed_over:
+            keeper.release(token)
+
+
+def _execute(step_id: int, token: str) -> tuple[StepResult, bool]:
+    """Answers the result, and whether the claim was handed to a call still running."""
     step: EventRunStep = EventRunStep.objects.select_related("run").get(pk=step_id)
     run = step.run
+    max_attempts = ledger_settings.MAX_STEP_ATTEMPTS
+    if step.attempts > max_attempts:
+        # Claimed again after attempts whose outcome never got written (a worker died
+        # each time): the bound holds all the same.
+        error = f"tried {step.attempts - 1} times without a written outcome; not performed again"
+        return _settle(step, token, StepResult("failed", error=error)), False
     if run.status in EventRun.TERMINAL:
-        return _settle(
-            step, token, StepResult("failed", error=f"run {run.pk} is {run.status}; not performed")
-        )
+        error = f"run {run.pk} is {run.status}; not performed"
+        return _settle(step, token, StepResult("failed", error=error)), False
     action = registry.action(step.action_id)
     if action is None:
-        return _settle(
-            step,
-            token,
-            StepResult("failed", error=f"no module registers the action {step.action_id!r}"),
-        )
+        error = f"no module registers the action {step.action_id!r}"
+        return _settle(step, token, StepResult("failed", error=error)), False
     if action.id == LEASE_ACTION_ID:
-        return _settle(step, token, _take_lease(run, step))
+        return _take_lease(run, step, token)
     if not callable(action.perform):
-        return _settle(
-            step, token, StepResult("failed", error=f"{action.id} declares no perform()")
-        )
+        error = f"{action.id} declares no perform()"
+        return _settle(step, token, StepResult("failed", error=error)), False
 
     perform = action.perform
     placeholder_id = reserve_step(run, step, action)
+
+    def late(call: CallResult) -> None:
+        try:
+            _settle(step, token, _outcome(run, step, action, placeholder_id, call), late=True)
+        finally:
+            keeper.release(token)
+
     call = call_with_deadline(
         lambda: perform(run_id=run.pk, params=step.params, idempotency_key=step.idempotency_key),
         action.budget_ms / 1000,
         action.id,
+        late=late,
     )
-    if call.timed_out or call.error is not None:
-        return _settle(step, token, StepResult("retry", error=call.message))
+    if call.timed_out:
+        error = (
+            f"{call.message}; the call goes on, and the step stays claimed until it ends "
+            "(its answer is recorded then)"
+        )
+        _log_step(step, StepResult("overdue", error=error))
+        return StepResult("overdue", error=error), True
+    return _settle(step, token, _outcome(run, step, action, placeholder_id, call)), False
+
+
+def _outcome(
+    run: EventRun, step: EventRunStep, action: Action, placeholder_id: int | None, call: CallResult
+) -> StepResult:
+    if call.error is not None:
+        return StepResult("retry", error=call.message)
     answer = call.value
     if not is_success(answer):
-        return _settle(step, token, _failure(action.id, answer))
+        return _failure(action.id, answer)
     recorded = record_answer(run, step, action, placeholder_id, answer.get("resources"))
-    return _settle(step, token, StepResult("done", recorded.recorded, recorded.rejected))
+    result = StepResult("done", recorded.recorded, recorded.rejected)
+    if not recorded.complete:
+        result.error = (
+            "the answer is not wholly on the ledger, so the step's placeholder stays and "
+            "cleanup gives back everything its key made: "
+            + "; ".join(bounded(recorded.rejected, 3))
+        )
+    return result
 
 
 def _failure(what: str, answer: Any) -> StepResult:
@@ -324,7 +452,9 @@ def _failure(what: str, answer: Any) -> StepResult:
     return StepResult("failed" if answer.get("retry") is False else "retry", error=message)
 
 
-def _settle(step: EventRunStep, token: str, result: StepResult) -> StepResult:
+def _settle(
+    step: EventRunStep, token: str, result: StepResult, *, late: bool = False
+) -> StepResult:
     status = {"done": "done", "refused": "refused", "failed": "failed"}.get(
         result.outcome, "pending"
     )
@@ -332,33 +462,62 @@ def _settle(step: EventRunStep, token: str, result: StepResult) -> StepResult:
         status, result.outcome = "failed", "failed"
     error = result.error
     if error is None and result.rejected:
-        error = "; ".join(result.rejected)[:2000]
-    if not EventRunStep.objects.settle(step, token, status, error):
+        error = "; ".join(bounded(result.rejected, REASONS_SHOWN))
+    try:
+        written = EventRunStep.objects.settle(step, token, status, error)
+    except Exception:
+        # The outcome must land, or the step stays `running` and the attempt bound is
+        # reached only through stale claims: write it again without the module's text.
+        logger.exception("step %s: writing its outcome failed; writing it plainly", step.pk)
+        written = EventRunStep.objects.settle(
+            step, token, status, f"{result.outcome} (the error text could not be stored)"
+        )
+    if not written:
         logger.warning(
             "step %s: a newer claim took it over; outcome %s not written", step.pk, result.outcome
         )
-    if result.outcome == "done" and not result.rejected:
+    if result.outcome == "done" and not result.rejected and not late:
         # A clean success is on the step row itself; the run's log keeps what an
         # operator must read (retries, failures, refusals, dropped resources).
         return result
-    EventRunLog.objects.write(
-        step.run_id,
-        f"step.{result.outcome}",
-        {
-            "step": step.pk,
-            "action": step.action_id,
-            "attempt": step.attempts,
-            "recorded": result.recorded,
-            "rejected": result.rejected,
-            "error": result.error,
-        },
-    )
+    _log_step(step, result, late=late)
     return result
 
 
-def _take_lease(run: EventRun, step: EventRunStep) -> StepResult:
-    """W6: the override row is reserved BEFORE the world is written, so a second run
-    asking for a held target is refused and the world is never touched."""
+def _log_step(step: EventRunStep, result: StepResult, *, late: bool = False) -> None:
+    try:
+        EventRunLog.objects.write(
+            step.run_id,
+            f"step.late.{result.outcome}" if late else f"step.{result.outcome}",
+            storable_json(
+                {
+                    "step": step.pk,
+                    "action": step.action_id,
+                    "attempt": step.attempts,
+                    "recorded": result.recorded,
+                    "rejected": bounded(result.rejected, REASONS_SHOWN),
+                    "error": result.error,
+                }
+            ),
+        )
+    except Exception:  # the step's outcome is written; its log line must not undo that
+        logger.exception("step %s: writing its log entry failed", step.pk)
+
+
+def _take_lease(run: EventRun, step: EventRunStep, token: str) -> tuple[StepResult, bool]:
+    result = _lease(run, step, token)
+    if result.outcome == "overdue":
+        _log_step(step, result)
+        return result, True
+    return _settle(step, token, result), False
+
+
+def _lease(run: EventRun, step: EventRunStep, token: str) -> StepResult:
+    """W6: reserve, then read, then write. The override row is reserved BEFORE anything
+    else, so a second run asking for a held target is refused and the world is neither
+    read nor written; the baseline is read under that reservation (read before it, it
+    could be another run's value that is about to be restored) and is on the row before
+    the value is applied."""
     params = step.params if isinstance(step.params, dict) else {}
     ref = _text(params.get("lease"))
     found = registry.lease_for_ref(ref)
@@ -385,20 +544,18 @@ def _take_lease(run: EventRun, step: EventRunStep) -> StepResult:
         EventRunResource.objects.filter(
             run=run, step=step, kind="override", ref=ref, status__in=("pending", "confirmed")
         )
-        .values_list("pk", "status")
+        .values_list("pk", "status", "payload")
         .first()
     )
     if held is None:
-        read = call_with_deadline(lambda: read_value(target=target), budget, f"{lease.id}.read")
-        if read.timed_out or read.error is not None:
-            return StepResult("retry", error=read.message)
         answer = EventRunResource.objects.reserve(
             run,
             step,
             owner=lease.owner,
             kind="override",
             ref=ref,
-            payload={"baseline": read.value, "applied": value},
+            # No baseline yet: a row without one was never applied (see cleanup).
+            payload={"applied": value},
             lease_until=lease_until,
         )
         if not answer.ok:
@@ -409,20 +566,56 @@ def _take_lease(run: EventRun, step: EventRunStep) -> StepResult:
                 error=f"{ref} is held by {who}",
                 holder_run_id=holder.run_id if holder else None,
             )
-        row_id, row_status = answer.id, "pending"
+        assert answer.id is not None
+        row_id, row_status, payload = answer.id, "pending", {"applied": value}
         mark_run_dirty(run)
     else:
-        # This step's earlier attempt reserved it: keep that row and its baseline (a
-        # fresh read now could see the value this run applied).
-        row_id, row_status = held
+        row_id, row_status, payload = held
+        payload = payload if isinstance(payload, dict) else {}
     if row_status == "confirmed":
         return StepResult("done", recorded=0)
+    if "baseline" not in payload:
+        read = call_with_deadline(lambda: read_value(target=target), budget, f"{lease.id}.read")
+        if read.timed_out or read.error is not None:
+            return StepResult("retry", error=read.message)
+        try:
+            _check_json(read.value)
+        except (TypeError, ValueError) as exc:
+            return StepResult(
+                "failed", error=f"{lease.id}.read answered a value that is not JSON ({exc})"
+            )
+        if not EventRunResource.objects.set_payload(
+            row_id, {**payload, "baseline": read.value}, only_status="pending"
+        ):
+            return StepResult("retry", error=f"the reservation of {ref} was released meanwhile")
+    # else: this step's earlier attempt read it; a fresh read now could see the value
+    # this run applied.
+
+    def applied_outcome(call: CallResult) -> StepResult:
+        if call.error is not None:
+            return StepResult("retry", error=call.message)
+        if not is_success(call.value):
+            return _failure(f"{lease.id}.apply", call.value)
+        EventRunResource.objects.confirm(row_id)
+        return StepResult("done", recorded=1)
+
+    def late(call: CallResult) -> None:
+        try:
+            _settle(step, token, applied_outcome(call), late=True)
+        finally:
+            keeper.release(token)
+
     applied = call_with_deadline(
-        lambda: apply_value(value, target=target, run_id=run.pk), budget, f"{lease.id}.apply"
+        lambda: apply_value(value, target=target, run_id=run.pk),
+        budget,
+        f"{lease.id}.apply",
+        late=late,
     )
-    if applied.timed_out or applied.error is not None:
-        return StepResult("retry", error=applied.message)
-    if not is_success(applied.value):
-        return _failure(f"{lease.id}.apply", applied.value)
-    EventRunResource.objects.confirm(row_id)
-    return StepResult("done", recorded=1)
+    if applied.timed_out:
+        # An apply may still land: the step stays claimed (no second apply beside it,
+        # no restore before it) until the call ends.
+        return StepResult(
+            "overdue",
+            error=f"{applied.message}; the call goes on, and the step stays claimed until it ends",
+        )
+    return applied_outcome(applied)

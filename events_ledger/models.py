@@ -94,7 +94,11 @@ class EventRunStep(models.Model):
     attempts = models.PositiveIntegerField(default=0)
     last_error = models.TextField(null=True, blank=True)
     claim_token = models.CharField(max_length=32, null=True, blank=True, editable=False)
+    # Kept fresh for as long as a call of the step can still change the world, also
+    # after its deadline; stale only when the process holding it died (STEP_CLAIM_TTL).
     claimed_at = models.DateTimeField(null=True, blank=True)
+    # Where the call runs (host:pid), so an operator can find the process cleanup waits for.
+    claimed_by = models.CharField(max_length=128, null=True, blank=True, editable=False)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
 

@@ -20,7 +20,7 @@ from django.db.models import Case, Count, Exists, F, OuterRef, Q, Value, When
 from django.db.models.functions import Greatest
 
 from .conf import ledger_settings
-from .db import UtcNow, is_unique_violation, retrying_deadlocks
+from .db import UtcNow, chunked, is_unique_violation, retrying_deadlocks, storable
 from .states import HELD, LIVE, RUN_TERMINAL, STEP_KIND, UNRESOLVED
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def new_token() -> str:
 
 
 def cut_error(error: object, default: str = DEFAULT_REVERT_ERROR) -> str:
-    text = "" if error is None else str(error)
+    text = "" if error is None else storable(error)
     return (text or default)[:ERROR_LIMIT]
 
 
@@ -96,9 +96,14 @@ class EventRunQuerySet(models.QuerySet):
         Two sweepers finishing one run cannot leave a stale summary: whichever writes
         last writes what the rows say at that moment, not what it saw earlier.
         """
-        self.filter(pk=_pk(run)).update(
-            cleanup_status=self._derived_cleanup_status(max_attempts, max_claims),
-            updated_at=UtcNow(),
+        # Outside a transaction a deadlock (two sweepers settling runs whose rows
+        # interleave) is retried here; it must never end a sweeper (C5).
+        retrying_deadlocks(
+            lambda: self.filter(pk=_pk(run)).update(
+                cleanup_status=self._derived_cleanup_status(max_attempts, max_claims),
+                updated_at=UtcNow(),
+            ),
+            using=self.db,
         )
         # Answers what was written and the unresolved count, read in one statement.
         return (
@@ -108,19 +113,52 @@ class EventRunQuerySet(models.QuerySet):
             .get()
         )
 
-    def repair_cleanup_summaries(self, max_attempts: int, max_claims: int) -> int:
-        """Re-derive the summary of terminal runs whose summary disagrees with their rows
-        (a sweeper died between its last verdict and its summary write, or two raced)."""
+    def repair_cleanup_summaries(self, max_attempts: int, max_claims: int) -> list[tuple[int, str]]:
+        """Re-derive the summary of terminal runs whose summary disagrees with their rows;
+        answers each repaired run with the summary it now has.
+
+        Two ways to disagree: a sweeper died between its last verdict and its summary
+        write, or two raced (``pending``/``incomplete`` that the rows contradict); or
+        rows were recorded after the run's cleanup ended (a late answer, a step whose
+        claim went stale and came back), so ``complete``/``not_required`` sits over
+        unresolved rows that no scan would otherwise look at again.
+
+        A SELECT of the candidates, then one UPDATE by id that derives the summary from
+        the rows in the statement: MySQL refuses an UPDATE whose WHERE reads the table
+        it updates (error 1093), and the derived value is still decided by the UPDATE.
+        """
         derived = self._derived_cleanup_status(max_attempts, max_claims)
-        qs = (
+        rows = self.model._meta.get_field("resources").related_model._default_manager
+        contradicted = (
             self.terminal()
             .filter(cleanup_status__in=("pending", "incomplete"))
             .alias(derived=derived)
             .exclude(cleanup_status=F("derived"))
+            .values_list("pk", flat=True)
         )
-        return self.filter(pk__in=models.Subquery(qs.values("pk"))).update(
-            cleanup_status=derived, updated_at=UtcNow()
+        forgotten = (
+            self.terminal()
+            .filter(
+                cleanup_status__in=("complete", "not_required"),
+                pk__in=rows.filter(status__in=UNRESOLVED).values("run_id"),
+            )
+            .values_list("pk", flat=True)
         )
+        ids = sorted(
+            {*retrying_deadlocks(lambda: list(contradicted), using=self.db)}
+            | {*retrying_deadlocks(lambda: list(forgotten), using=self.db)}
+        )
+        if not ids:
+            return []
+        retrying_deadlocks(
+            lambda: (
+                self.filter(pk__in=ids)
+                .terminal()
+                .update(cleanup_status=derived, updated_at=UtcNow())
+            ),
+            using=self.db,
+        )
+        return list(self.filter(pk__in=ids).order_by("pk").values_list("pk", "cleanup_status"))
 
     def with_unresolved_count(self) -> EventRunQuerySet:
         """Annotate each run with its unresolved row count, in the same query."""
@@ -144,11 +182,13 @@ class EventRunQuerySet(models.QuerySet):
 
 
 class EventRunStepQuerySet(models.QuerySet):
-    def claim(self, step: Any, ttl: timedelta | None = None) -> str | None:
+    def claim(self, step: Any, ttl: timedelta | None = None, by: str | None = None) -> str | None:
         """Claim a step to execute it: ``pending → running``, or a ``running`` step whose
-        claim is older than the TTL (its worker died). Answers the claim's token, or
-        None when another worker holds it. Exactly one concurrent caller wins; every
-        claim counts an attempt, so a step that kills its worker cannot loop for ever.
+        claim is older than the TTL (its worker died: a live worker keeps its claim
+        fresh for as long as a call of the step runs, see ``inflight``). Answers the
+        claim's token, or None when another worker holds it. Exactly one concurrent
+        caller wins; every claim counts an attempt, so a step that kills its worker
+        cannot loop for ever.
         """
         ttl = ttl or ledger_settings.STEP_CLAIM_TTL
         token = new_token()
@@ -160,16 +200,29 @@ class EventRunStepQuerySet(models.QuerySet):
                 status="running",
                 claim_token=token,
                 claimed_at=UtcNow(),
+                claimed_by=by,
                 attempts=F("attempts") + 1,
                 updated_at=UtcNow(),
             )
         )
         return token if won == 1 else None
 
+    def refresh_claims(self, tokens: Sequence[str]) -> int:
+        """Re-stamp the claims of calls that still run, so nobody takes them for dead."""
+        if not tokens:
+            return 0
+        return self.filter(claim_token__in=list(tokens), status="running").update(
+            claimed_at=UtcNow()
+        )
+
+    def in_flight(self, ttl: timedelta) -> EventRunStepQuerySet:
+        """Steps a call of which may still change the world: claimed, claim fresh."""
+        return self.filter(status="running", claimed_at__gte=UtcNow() - ttl)
+
     def settle(self, step: Any, token: str, status: str, error: str | None = None) -> bool:
         """Write a step's outcome, only while the caller's claim is still the current one."""
         values: dict[str, Any] = {"status": status, "updated_at": UtcNow()}
-        values["last_error"] = None if error is None else str(error)[:2000]
+        values["last_error"] = None if error is None else storable(error, 2000)
         return self.filter(pk=_pk(step), claim_token=token, status="running").update(**values) == 1
 
 
@@ -371,12 +424,16 @@ class EventRunResourceQuerySet(models.QuerySet):
         targets = set(targets)
         if not targets:
             return {}
-        kinds = {k for k, _ in targets}
-        refs = {r for _, r in targets}
-        found = self.filter(
-            owner_module=owner, kind__in=kinds, ref__in=refs, status__in=HELD
-        ).values_list("kind", "ref", "run_id", "status")
-        return {(k, r): Holder(run_id, s) for k, r, run_id, s in found if (k, r) in targets}
+        kinds = sorted({k for k, _ in targets})
+        out: dict[tuple[str, str], Holder] = {}
+        for refs in chunked(sorted({r for _, r in targets})):
+            found = self.filter(
+                owner_module=owner, kind__in=kinds, ref__in=refs, status__in=HELD
+            ).values_list("kind", "ref", "run_id", "status")
+            out.update(
+                {(k, r): Holder(run_id, s) for k, r, run_id, s in found if (k, r) in targets}
+            )
+        return out
 
     # ── R2, R3 ──
 
@@ -398,6 +455,14 @@ class EventRunResourceQuerySet(models.QuerySet):
         if member_key is not _UNSET:
             values["member_key"] = member_key
         return self.filter(pk=_pk(pk), status="pending").update(**values) == 1
+
+    def set_payload(self, pk: Any, payload: Any, *, only_status: str) -> bool:
+        """Write a row's payload while it is still in ``only_status`` (a lease's baseline,
+        read under its reservation)."""
+        return (
+            self.filter(pk=_pk(pk), status=only_status).update(payload=payload, updated_at=UtcNow())
+            == 1
+        )
 
     def resolve_placeholder(self, pk: Any) -> bool:
         """An answered step's ``@step`` row: ``pending|confirmed → reverted``, which frees
@@ -460,7 +525,12 @@ class EventRunResourceQuerySet(models.QuerySet):
         return claim.token if claim.rows else None
 
     def claim_group(
-        self, pks: Iterable[Any], ttl: timedelta | None = None, *, released: bool = True
+        self,
+        pks: Iterable[Any],
+        ttl: timedelta | None = None,
+        *,
+        released: bool = True,
+        step_ttl: timedelta | None = None,
     ) -> GroupClaim:
         """Claim many rows in a bounded number of statements, one token for all of them.
 
@@ -471,6 +541,10 @@ class EventRunResourceQuerySet(models.QuerySet):
         ``collided`` instead of raising. ``released=False`` says the caller saw none of
         the rows released (orphaned, drifted) and saves that statement; a row released
         since is then simply not claimed this time.
+
+        With ``step_ttl``, a row whose step is in flight (claimed, claim younger than
+        ``step_ttl``) is not claimed, in the same statement: a call of that step may
+        still make something, and giving back by key now would miss it.
         """
         ids = _pks(pks)
         token = new_token()
@@ -490,30 +564,32 @@ class EventRunResourceQuerySet(models.QuerySet):
             "claim_count": F("claim_count") + 1,
             "updated_at": UtcNow(),
         }
-        rows = self.filter(pk__in=ids)
-        # Held rows are live already, so turning them `reverting` can never collide.
-        retrying_deadlocks(
-            lambda: rows.filter(Q(status__in=LIVE) | self._stale_claim(ttl)).update(**values),
-            using=self.db,
-        )
+        base = self.all()
+        if step_ttl is not None:
+            steps = self.model._meta.get_field("step").related_model._default_manager
+            base = base.exclude(Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id"))))
         collided: list[int] = []
-        if not released:
-            return GroupClaim(token=token, rows=self._won(token, known))
-        try:
-            retrying_deadlocks(
-                lambda: rows.filter(status__in=RELEASED_UNCLEAN).update(**values), using=self.db
-            )
-        except IntegrityError as exc:
-            if not is_unique_violation(exc):
-                raise
-            for pk in ids:
-                one = self.filter(pk=pk, status__in=RELEASED_UNCLEAN)
-                try:
-                    retrying_deadlocks(partial(one.update, **values), using=self.db)
-                except IntegrityError as row_exc:
-                    if not is_unique_violation(row_exc):
-                        raise
-                    collided.append(pk)
+        for part in chunked(ids):
+            rows = base.filter(pk__in=part)
+            # Held rows are live already, so turning them `reverting` can never collide.
+            live = rows.filter(Q(status__in=LIVE) | self._stale_claim(ttl))
+            retrying_deadlocks(partial(live.update, **values), using=self.db)
+            if not released:
+                continue
+            try:
+                unclean = rows.filter(status__in=RELEASED_UNCLEAN)
+                retrying_deadlocks(partial(unclean.update, **values), using=self.db)
+            except IntegrityError as exc:
+                if not is_unique_violation(exc):
+                    raise
+                for pk in part:
+                    one = base.filter(pk=pk, status__in=RELEASED_UNCLEAN)
+                    try:
+                        retrying_deadlocks(partial(one.update, **values), using=self.db)
+                    except IntegrityError as row_exc:
+                        if not is_unique_violation(row_exc):
+                            raise
+                        collided.append(pk)
         return GroupClaim(token=token, rows=self._won(token, known), collided=collided)
 
     def _won(self, token: str, known: dict[Any, EventRunResource]) -> list[EventRunResource]:
@@ -523,8 +599,8 @@ class EventRunResourceQuerySet(models.QuerySet):
             .values_list("pk", "claim_count", "updated_at")
         )
         missing = [pk for pk, _, _ in won if pk not in known]
-        if missing:
-            known = {**known, **{o.pk: o for o in self.filter(pk__in=missing)}}
+        for part in chunked(missing) if missing else []:
+            known = {**known, **{o.pk: o for o in self.filter(pk__in=part)}}
         rows = []
         for pk, claim_count, updated_at in won:
             row = known[pk]
@@ -558,15 +634,19 @@ class EventRunResourceQuerySet(models.QuerySet):
 
     # ── R6, R7 verdicts ──
 
-    def _claimed(self, pks: Any, token: str | None) -> EventRunResourceQuerySet:
-        qs = self.filter(pk__in=_pks(pks), status="reverting")
-        return qs if token is None else qs.filter(claim_token=token)
+    def _claimed(self, pks: Any, token: str | None) -> list[EventRunResourceQuerySet]:
+        out = []
+        for part in chunked(_pks(pks)):
+            qs = self.filter(pk__in=part, status="reverting")
+            out.append(qs if token is None else qs.filter(claim_token=token))
+        return out
 
     def mark_reverted(self, pks: Any, token: str | None = None) -> int:
         """The revert worked: ``reverting → reverted`` (terminal; releases the target,
         clears the error). With ``token``, only while that claim is the current one."""
-        return self._claimed(pks, token).update(
-            status="reverted", last_error=None, claim_count=0, updated_at=UtcNow()
+        return sum(
+            qs.update(status="reverted", last_error=None, claim_count=0, updated_at=UtcNow())
+            for qs in self._claimed(pks, token)
         )
 
     def fail_revert(
@@ -604,7 +684,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         }
         if not spent_claims:
             values["claim_count"] = 0
-        return self._claimed(pks, token).update(**values)
+        return sum(qs.update(**values) for qs in self._claimed(pks, token))
 
     def reset_attempts(self, run: Any) -> int:
         """The human's licence, never automation's: zero the counters of a run's
@@ -636,13 +716,22 @@ class EventRunResourceQuerySet(models.QuerySet):
         )
         return sorted({owner for _, owner in pairs})
 
-    def mark_orphaned(self, pks: Any, detail: object = None) -> int:
-        """Nobody gave it back, it is just gone: ``pending|confirmed|reverting →
-        orphaned``. Only reconcile says this; a revert that finds nothing is a success."""
-        return self.filter(pk__in=_pks(pks), status__in=HELD).update(
-            status="orphaned",
-            last_error=None if detail is None else cut_error(detail),
-            updated_at=UtcNow(),
+    def mark_orphaned(self, pks: Any, detail: object = None, ttl: timedelta | None = None) -> int:
+        """Nobody gave it back, it is just gone: ``pending|confirmed → orphaned``, or a
+        ``reverting`` row whose claim is stale (its sweeper died). Only reconcile says
+        this; a revert that finds nothing is a success. A row under a live revert claim
+        is never orphaned: its sweeper's verdict would then be fenced out and a row that
+        was given back would read as lost."""
+        ttl = ttl or ledger_settings.REVERT_CLAIM_TTL
+        return sum(
+            self.filter(pk__in=part)
+            .filter(Q(status__in=LIVE) | self._stale_claim(ttl))
+            .update(
+                status="orphaned",
+                last_error=None if detail is None else cut_error(detail),
+                updated_at=UtcNow(),
+            )
+            for part in chunked(_pks(pks))
         )
 
     # ── R11 ──

@@ -79,7 +79,14 @@ def task_sweep_until_done(rounds: int = 200) -> dict[str, Any]:
     return {"worked": worked}
 
 
-TASKS.update({"cleanup": task_cleanup, "sweep": task_sweep_until_done})
+def task_execute(step_id: int) -> dict[str, Any]:
+    from events_ledger.ledger import execute_step
+
+    result = execute_step(step_id)
+    return {"outcome": result.outcome, "recorded": result.recorded, "error": result.error}
+
+
+TASKS.update({"cleanup": task_cleanup, "sweep": task_sweep_until_done, "execute": task_execute})
 
 
 def main() -> None:

@@ -365,17 +365,25 @@ def test_live_for_module_and_modules_with_live_rows():  # R9
     [
         ("pending", True),
         ("confirmed", True),
-        ("reverting", True),
+        ("reverting", False),  # a live revert claim: its sweeper's verdict must land
         ("reverted", False),
         ("drifted", False),
     ],
 )
-def test_mark_orphaned_only_from_held(status, moves):  # R10
+def test_mark_orphaned_only_from_live_or_a_dead_claim(status, moves):  # R10
     row = ResourceFactory(status=status)
     assert Res.mark_orphaned(row.pk, "gone") == int(moves)
     row.refresh_from_db()
     assert row.status == ("orphaned" if moves else status)
     assert (row.last_error == "gone") == moves
+
+
+def test_mark_orphaned_takes_a_reverting_row_whose_claim_is_stale():  # R10, R5
+    row = ResourceFactory(status="reverting")
+    age_rows(EventRunResource, [row.pk], 120)
+    assert Res.mark_orphaned(row.pk, "gone", ttl=timedelta(seconds=60)) == 1
+    row.refresh_from_db()
+    assert row.status == "orphaned"
 
 
 # ── R11 ──
@@ -442,12 +450,48 @@ def test_repair_fixes_summaries_that_disagree_with_rows():  # R, summaries race 
     ResourceFactory(run=spent, status="confirmed", revert_attempts=3)
     fine = RunFactory(status="completed", cleanup_status="pending")
     ResourceFactory(run=fine, status="confirmed")
-    assert EventRun.objects.repair_cleanup_summaries(3, 5) == 3
+    # Rows recorded after the run's cleanup ended (a late answer): the summary forgot them.
+    late = RunFactory(status="cancelled", cleanup_status="complete")
+    ResourceFactory(run=late, status="confirmed")
+    never_dirty = RunFactory(status="failed", cleanup_status="not_required")
+    ResourceFactory(run=never_dirty, status="pending")
+    clean = RunFactory(status="completed", cleanup_status="complete")
+    ResourceFactory(run=clean, status="reverted")
+    nothing = RunFactory(status="completed", cleanup_status="not_required")
+    running = RunFactory(status="running", cleanup_status="complete")
+    ResourceFactory(run=running, status="confirmed")
+    repaired = EventRun.objects.repair_cleanup_summaries(3, 5)
+    assert repaired == sorted(
+        [
+            (stale_pending.pk, "complete"),
+            (stale_incomplete.pk, "complete"),
+            (spent.pk, "incomplete"),
+            (late.pk, "pending"),
+            (never_dirty.pk, "pending"),
+        ]
+    )
     got = {r.pk: r.cleanup_status for r in EventRun.objects.all()}
-    assert got[stale_pending.pk] == "complete"
-    assert got[stale_incomplete.pk] == "complete"
-    assert got[spent.pk] == "incomplete"
     assert got[fine.pk] == "pending"
+    assert got[clean.pk] == "complete" and got[nothing.pk] == "not_required"
+    assert got[running.pk] == "complete"  # a run in flight is not the sweep's
+
+
+def test_repair_never_updates_the_table_it_selects_from():  # MySQL 1093
+    # MySQL refuses UPDATE run … WHERE id IN (SELECT … FROM run …); MariaDB accepts it,
+    # so only the statements themselves can show the form is portable.
+    run = RunFactory(status="completed", cleanup_status="pending")
+    with _queries() as ctx:
+        EventRun.objects.repair_cleanup_summaries(3, 5)
+    table = EventRun._meta.db_table
+    updates = [
+        q["sql"] for q in ctx.captured_queries if q["sql"].lstrip().upper().startswith("UPDATE")
+    ]
+    assert updates, "the stale summary was repaired by an UPDATE"
+    for sql in updates:
+        where = sql.upper().split(" WHERE ", 1)[1]
+        assert f"FROM {connection.ops.quote_name(table).upper()}" not in where, sql
+    run.refresh_from_db()
+    assert run.cleanup_status == "complete"
 
 
 def test_log_write():  # C7

@@ -67,7 +67,8 @@ def spawn(*, run_id: int, params: dict[str, Any], idempotency_key: str) -> Any:
         _hang()
     if _fault("spawn.garbage"):
         return "<html>502 Bad Gateway</html>"
-    existing = list(Creature.objects.filter(spawned_by=idempotency_key))
+    # In the order they were made: the same key always answers the same list.
+    existing = list(Creature.objects.filter(spawned_by=idempotency_key).order_by("pk"))
     if not existing:
         with transaction.atomic():
             for _ in range(int(params.get("count", 1))):

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import getpass
+import logging
+import math
 import signal
 import threading
 from typing import Any
 
-from django.db import close_old_connections, connection
+from django.db import DatabaseError, close_old_connections, connection
 
 from events_ledger.cleanup import CleanupSummary, RunNotTerminal, cleanup_run, plan_run, sweep
 from events_ledger.conf import ledger_settings
 from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
 from events_ledger.models import EventRun, EventRunResource
+
+logger = logging.getLogger("events_ledger")
+
+#: The shortest --loop interval: a tighter loop only hammers the database.
+MIN_LOOP_S = 0.1
+#: How long a loop waits after a pass failed, at most (doubling from the interval).
+MAX_BACKOFF_S = 300.0
 
 
 class Command(LedgerCommand):
@@ -46,8 +55,13 @@ class Command(LedgerCommand):
             raise self.bad_input("--reset-attempts is the human retry of one run: give --run ID.")
         if opts["loop"] is not None and (opts["run"] is not None or opts["dry_run"]):
             raise self.bad_input("--loop sweeps; it does not go with --run or --dry-run.")
-        if opts["loop"] is not None and opts["loop"] <= 0:
-            raise self.bad_input("--loop takes a positive number of seconds.")
+        if opts["loop"] is not None and (
+            not math.isfinite(opts["loop"]) or opts["loop"] < MIN_LOOP_S
+        ):
+            raise self.bad_input(
+                f"--loop takes a finite number of seconds, at least {MIN_LOOP_S:g}; "
+                f"not {opts['loop']!r}."
+            )
         try:
             _ = ledger_settings.CLEANUP_RUN_BATCH  # a wrong setting is bad input, said plainly
         except Exception as exc:
@@ -71,7 +85,12 @@ class Command(LedgerCommand):
             return self.finish(NEEDS_HUMAN if summary.cleanup_status == "incomplete" else OK)
         if opts["loop"] is not None:
             return self.finish(self._loop(opts["loop"]))
-        return self.finish(self._sweep_once())
+        try:
+            status = self._sweep_once()
+        except DatabaseError as exc:
+            self.stderr.write(self.style.ERROR(f"the pass failed: {exc}"))
+            status = NEEDS_HUMAN
+        return self.finish(status)
 
     def _run(self, pk: int) -> EventRun:
         try:
@@ -83,15 +102,33 @@ class Command(LedgerCommand):
 
     def _sweep_once(self, should_stop: Any = None) -> int:
         report = sweep(should_stop=should_stop)
-        self._report(report.runs, report.errors, repaired=report.repaired)
-        return NEEDS_HUMAN if report.incomplete or report.errors else OK
+        errors = dict(report.errors)
+        self._report(
+            report.runs,
+            errors,
+            repaired=report.repaired_runs,
+            repair_error=report.repair_error,
+        )
+        # Exit 1 when a run is left incomplete by any path (its cleanup or the repair),
+        # or something failed: a human should look.
+        return NEEDS_HUMAN if report.incomplete or errors or report.repair_error else OK
 
     def _report(
-        self, summaries: list[CleanupSummary], errors: dict[int, str], repaired: int = 0
+        self,
+        summaries: list[CleanupSummary],
+        errors: dict[int, str],
+        repaired: list[tuple[int, str]] | None = None,
+        repair_error: str | None = None,
     ) -> None:
+        repaired = repaired or []
         if self.as_json:
             self.emit_json(
-                {"runs": [s.as_dict() for s in summaries], "errors": errors, "repaired": repaired}
+                {
+                    "runs": [s.as_dict() for s in summaries],
+                    "errors": errors,
+                    "repaired": {str(pk): status for pk, status in repaired},
+                    "repair_error": repair_error,
+                }
             )
             return
         if self.verbosity == 0:
@@ -106,6 +143,11 @@ class Command(LedgerCommand):
                     f"failed {s.failed}, remaining {s.remaining} -> {s.cleanup_status}"
                 )
             )
+            for w in s.waiting:
+                self.stdout.write(
+                    f"  waits for step {w['step']} ({w['action']}) in flight on "
+                    f"{w['claimed_by'] or 'an unknown host'} since {w['claimed_at']}"
+                )
             if self.verbosity >= 2:
                 for g in s.groups:
                     line = (
@@ -114,8 +156,11 @@ class Command(LedgerCommand):
                     self.stdout.write(line + (f" ({g['error']})" if g.get("error") else ""))
         for run_id, error in errors.items():
             self.stderr.write(self.style.ERROR(f"run {run_id}: the sweep failed: {error}"))
-        if repaired and self.verbosity >= 1:
-            self.stdout.write(f"repaired the cleanup status of {repaired} run(s)")
+        if repair_error:
+            self.stderr.write(self.style.ERROR(f"repairing summaries failed: {repair_error}"))
+        for pk, status in repaired:
+            style = self.style.ERROR if status == "incomplete" else self.style.WARNING
+            self.stdout.write(style(f"run {pk}: summary re-derived from its rows -> {status}"))
         if not summaries and not errors:
             self.stdout.write("nothing to give back")
 
@@ -150,6 +195,11 @@ class Command(LedgerCommand):
                 self.stdout.write(
                     f"  - {g.call}" + (f"  [cannot: {g.problem}]" if g.problem else "")
                 )
+                if g.by_key and not g.waiting_for:
+                    self.stdout.write(
+                        "    (its step's answer may be on the ledger in part: the module "
+                        "is asked for everything the key made)"
+                    )
         return OK
 
     # ── loop ──
@@ -164,16 +214,30 @@ class Command(LedgerCommand):
 
         previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         status = OK
+        wait = every
         try:
             while not stop.is_set():
                 try:
                     status = max(status, self._sweep_once(should_stop=stop.is_set))
+                    wait = every
+                except DatabaseError as exc:
+                    # The database went away (restarted, failed over): this pass is
+                    # lost, the loop is not. Back off, doubling, and try again.
+                    status = NEEDS_HUMAN
+                    wait = min(max(wait * 2, every), MAX_BACKOFF_S)
+                    logger.warning("a sweep pass failed; next try in %.1fs", wait, exc_info=True)
+                    self.stderr.write(
+                        self.style.ERROR(f"the pass failed: {exc}; trying again in {wait:.1f}s")
+                    )
                 finally:
                     # Never hold a connection (or a snapshot) across passes: a server
                     # that went away between passes is reconnected to on the next.
-                    close_old_connections()
-                    connection.close()
-                stop.wait(every)
+                    try:
+                        close_old_connections()
+                        connection.close()
+                    except DatabaseError:
+                        logger.debug("closing a dead connection failed", exc_info=True)
+                stop.wait(wait)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)

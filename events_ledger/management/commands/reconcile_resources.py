@@ -13,7 +13,7 @@ class Command(LedgerCommand):
     help = (
         "Ask each module with live rows (or --module OWNER) which are still in force; rows "
         "no longer in force become orphaned. Exit status 1 when answers were held back by "
-        "the safety bound."
+        "the safety bound, or when a module's reconcile failed."
     )
 
     def add_arguments(self, parser: Any) -> None:
@@ -37,6 +37,7 @@ class Command(LedgerCommand):
         else:
             results = reconcile_all(force=opts["force"])
         held_back = [s for s in results.values() if s.held_back]
+        failed = [s for s in results.values() if s.errors]
         if opts["json"]:
             self.emit_json({owner: s.as_dict() for owner, s in results.items()})
         elif opts["verbosity"]:
@@ -50,4 +51,6 @@ class Command(LedgerCommand):
                 self.stdout.write(self.style.ERROR(line) if s.held_back else line)
                 if s.reason:
                     self.stdout.write(f"  {s.reason}")
-        self.finish(NEEDS_HUMAN if held_back else OK)
+                for error in s.errors:
+                    self.stderr.write(self.style.ERROR(f"  {name}: {error}"))
+        self.finish(NEEDS_HUMAN if held_back or failed else OK)
