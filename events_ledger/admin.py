@@ -97,6 +97,14 @@ def diagnose(row: EventRunResource) -> Diagnosis:
             f"Not in the next retry: a pass calls at most {len(plan)} groups "
             "(CLEANUP_GROUPS_PER_RUN); it comes in a later one."
         )
+    elif group.waiting_for:
+        w = group.waiting_for
+        note = (
+            f"Its step {w['step']} ({w['action']}) is in flight on "
+            f"{w['claimed_by'] or 'an unknown host'} since {w['claimed_at']} UTC: a call of it "
+            "may still change the world, so cleanup waits until the call ends (or until its "
+            "claim goes stale, STEP_CLAIM_TTL after that process stopped stamping it)."
+        )
     elif not row.run.is_terminal:
         note = f"The run is still {row.run.status}: cleanup starts when it ends. It would call:"
     else:
@@ -105,7 +113,7 @@ def diagnose(row: EventRunResource) -> Diagnosis:
         row=row,
         unresolved=unresolved,
         claim_stale=stale,
-        call=group.call if group else None,
+        call=group.call if group and not group.waiting_for else None,
         problem=group.problem if group else None,
         note=note,
     )

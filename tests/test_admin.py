@@ -218,6 +218,28 @@ def test_why_is_this_stuck(admin_client):  # S3, R5, C3
 
 
 @pytest.mark.django_db
+def test_why_is_this_stuck_names_the_step_in_flight(admin_client):  # S3, the invariant
+    from events_ledger.models import STEP_KIND, EventRunStep
+
+    run = RunFactory(status="cancelled", cleanup_status="pending")
+    step = StepFactory(run=run, action_id="world.spawn")
+    EventRunStep.objects.claim(step, by="worker-7:4242")
+    row = ResourceFactory(
+        run=run,
+        step=step,
+        owner_module="world",
+        kind=STEP_KIND,
+        ref=step.idempotency_key,
+        status="pending",
+    )
+    why = admin_client.get(row_url(row)).content.decode()
+    why = why[why.index('id="el-why"') :]
+    assert f"step {step.pk} (world.spawn) is in flight on worker-7:4242" in why
+    assert "cleanup waits until the call ends" in why
+    assert ".revert(" not in why  # no call is made while it waits
+
+
+@pytest.mark.django_db
 def test_payloads_errors_and_log_details_render_as_text(admin_client):  # S3
     evil = "<script>alert('x')</script>"
     run = RunFactory(name=evil, status="completed", cleanup_status="incomplete")

@@ -14,7 +14,7 @@ from django.core.management import CommandError, call_command
 
 from events_ledger.ledger import execute_step
 from events_ledger.models import EventRun, EventRunLog, EventRunResource
-from project.world.models import Creature
+from project.world.models import Call, Creature
 from tests.helpers import new_run, spawn_step
 from tests.processes import ROOT, child_env
 
@@ -181,3 +181,143 @@ def test_reconcile_resources_summary_bound_and_force(world):  # S2, C6
 def test_reconcile_resources_unknown_module_is_bad_input(world):  # S2
     code, _, err = command("reconcile_resources", "--module", "nobody")
     assert code == 2 and "nobody" in err
+
+
+@pytest.mark.parametrize("every", ["nan", "inf", "-inf", "0.05", "0", "-1"])
+def test_loop_refuses_intervals_that_are_not_a_sane_number(every):  # S1
+    code, _, err = command("cleanup_runs", f"--loop={every}")
+    assert code == 2 and "--loop" in err
+
+
+def test_loop_survives_the_database_going_away(world):  # S1, connections die
+    """The database goes away between passes (every connection is refused): the pass
+    fails and is reported, the loop backs off and, once the database is back, sweeps."""
+    import os
+    import threading
+
+    from django.db import connection, connections
+
+    first = finished_run()
+    out, err = StringIO(), StringIO()
+    real_name = connection.settings_dict["NAME"]
+    trouble: list[BaseException] = []
+
+    def wait(condition, what):
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    def complete(run):
+        try:
+            return EventRun.objects.get(pk=run.pk).cleanup_status == "complete"
+        finally:
+            connections.close_all()
+
+    def operator():
+        try:
+            wait(lambda: complete(first), "the first pass")
+            # The database goes away: every new connection is refused from now on.
+            connection.settings_dict["NAME"] = "/nonexistent/ledger/gone"
+            wait(lambda: err.getvalue().count("the pass failed") >= 2, "two failed passes")
+            connection.settings_dict["NAME"] = real_name
+            second = finished_run(region="south")
+            connections.close_all()
+            wait(lambda: complete(second), "a pass after the database came back")
+        except BaseException as exc:  # reported by the test below
+            trouble.append(exc)
+        finally:
+            connection.settings_dict["NAME"] = real_name
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    helper = threading.Thread(target=operator, daemon=True)
+    helper.start()
+    code = 0
+    try:
+        call_command("cleanup_runs", "--loop", "0.1", stdout=out, stderr=err)
+    except SystemExit as exc:
+        code = exc.code
+    helper.join(60)
+    assert not trouble, trouble
+    assert code == 1  # a pass failed: a human should know
+    assert "trying again in" in err.getvalue()
+    assert Creature.objects.count() == 0
+
+
+def test_a_run_left_incomplete_by_the_repair_exits_1(world):  # S1, summaries race too
+    run = finished_run()
+    # Rows spent and a summary that says otherwise (a sweeper died before writing it).
+    Res.filter(run=run).update(revert_attempts=3, status="confirmed")
+    EventRun.objects.filter(pk=run.pk).update(cleanup_status="complete")
+    code, out, _ = command("cleanup_runs")
+    assert code == 1
+    assert f"run {run.pk}: summary re-derived from its rows -> incomplete" in out
+    code, out, _ = command("cleanup_runs", "--json")
+    assert code == 0 and json.loads(out)["repaired"] == {}
+
+
+def test_reconcile_resources_exits_1_when_a_module_fails(world):  # S2, C6
+    run = new_run()
+    execute_step(spawn_step(run, "north", 2))
+    world.switch_on("reconcile.garbage")
+    code, out, err = command("reconcile_resources", "--json")
+    assert code == 1
+    assert json.loads(out)["world"]["errors"] and json.loads(out)["world"]["orphaned"] == 0
+
+
+def test_dry_run_and_json_name_the_step_cleanup_waits_for(world):  # S1, the invariant
+    from events_ledger.ledger import reserve_step
+    from events_ledger.models import EventRunStep
+    from events_ledger.registry import default_registry
+
+    run = new_run()
+    step = spawn_step(run)
+    EventRunStep.objects.claim(step, by="worker-3:777")
+    reserve_step(run, step, default_registry.action("world.spawn"))
+    EventRun.objects.transition(run, "cancelled", from_="running")
+    code, out, _ = command("cleanup_runs", "--dry-run")
+    assert code == 0
+    assert f"waits for step {step.pk} (world.spawn) in flight on worker-3:777 since" in out
+    code, out, _ = command("cleanup_runs", "--dry-run", "--json")
+    [group] = json.loads(out)["runs"][str(run.pk)]
+    assert group["waiting_for"]["claimed_by"] == "worker-3:777"
+    code, out, _ = command("cleanup_runs", "--json")
+    [summary] = json.loads(out)["runs"]
+    assert summary["cleanup_status"] == "pending" and summary["waiting"][0]["step"] == step.pk
+    assert Res.filter(run=run).unresolved().count() == 1
+
+
+def test_the_human_retrys_log_entry_survives_a_killed_pass(world):  # C4, rule 2, crash
+    run = finished_run()
+    Res.filter(run=run).update(revert_attempts=3)
+    world.switch_on("despawn.hang")
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "manage.py",
+            "cleanup_runs",
+            "--run",
+            str(run.pk),
+            "--reset-attempts",
+            "--actor",
+            "ops:ana",
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not Call.objects.filter(verb="despawn").exists():  # inside revert() now
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "the pass never reached the revert"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    [entry] = EventRunLog.objects.filter(run=run, kind="cleanup.retry")
+    assert entry.detail == {"resources": 2, "by": "ops:ana"}
