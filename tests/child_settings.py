@@ -1,8 +1,12 @@
 """Settings for the child processes of the race tests: the parent's test database."""
 
+import json
 import os
 
 from project.settings import *  # noqa: F403
 from project.settings import DATABASES
 
 DATABASES["default"]["NAME"] = os.environ["LEDGER_CHILD_DB_NAME"]
+
+# Ledger settings a test hands its children (short TTLs for the chaos scenarios).
+EVENTS_LEDGER.update(json.loads(os.environ.get("LEDGER_CHILD_SETTINGS", "{}")))  # noqa: F405

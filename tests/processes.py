@@ -14,28 +14,43 @@ from django.db import connection
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def child_env() -> dict[str, str]:
+def child_env(settings: dict[str, Any] | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    env["LEDGER_CHILD_SETTINGS"] = json.dumps(settings or {})
     env["LEDGER_CHILD_DB_NAME"] = str(connection.settings_dict["NAME"])
     env["DJANGO_SETTINGS_MODULE"] = "tests.child_settings"
     env["PYTHONPATH"] = str(ROOT)
     return env
 
 
-def spawn(module: str, *args: str, **popen: Any) -> subprocess.Popen[str]:
+def spawn(
+    module: str, *args: str, settings: dict[str, Any] | None = None, **popen: Any
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", module, *args],
         cwd=ROOT,
-        env=child_env(),
+        env=child_env(settings),
         text=True,
         **popen,
     )
 
 
-def race(task: str, arg_list: list[dict[str, Any]], timeout: float = 120) -> list[dict[str, Any]]:
+def race(
+    task: str,
+    arg_list: list[dict[str, Any]],
+    timeout: float = 120,
+    settings: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
     """Start one child per argument set, release them together, collect their answers."""
     procs = [
-        spawn("tests.procs", task, json.dumps(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        spawn(
+            "tests.procs",
+            task,
+            json.dumps(args),
+            settings=settings,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         for args in arg_list
     ]
     try:

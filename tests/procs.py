@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import sys
 import traceback
 from typing import Any
@@ -87,6 +88,65 @@ def task_execute(step_id: int) -> dict[str, Any]:
 
 
 TASKS.update({"cleanup": task_cleanup, "sweep": task_sweep_until_done, "execute": task_execute})
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def task_cleanup_killed_at(run_id: int, point: str) -> dict[str, Any]:
+    """The chaos suite's sweeper: cleans one run up and SIGKILLs itself at ``point``
+    (``inside_revert`` is the world's own fault switch, set by the parent)."""
+    from events_ledger import cleanup
+    from events_ledger.querysets import EventRunResourceQuerySet as Rows
+
+    if point == "after_claim":
+        claim = Rows.claim_group
+
+        def claim_then_die(self: Any, *args: Any, **kwargs: Any) -> Any:
+            claim(self, *args, **kwargs)
+            _die()
+
+        Rows.claim_group = claim_then_die  # type: ignore[method-assign]
+    elif point == "after_revert":
+        # The module answered; the sweeper dies before it reads the answer.
+        cleanup.classify_revert = lambda *args, **kwargs: _die()  # type: ignore[assignment]
+    elif point == "during_verdict":
+        verdict = Rows.mark_reverted
+
+        def verdict_then_die(self: Any, *args: Any, **kwargs: Any) -> Any:
+            verdict(self, *args, **kwargs)  # written, and its answer never read
+            _die()
+
+        Rows.mark_reverted = verdict_then_die  # type: ignore[method-assign]
+    return cleanup.cleanup_run(run_id).as_dict()
+
+
+def task_reserve_release(run_id: int, refs: list[str], seed: int, rounds: int) -> dict[str, Any]:
+    """Reserve and release the same targets as fast as possible, against other processes."""
+    from events_ledger.models import EventRunResource
+
+    rows = EventRunResource.objects
+    rng = random.Random(seed)
+    out: dict[str, Any] = {"reserved": 0, "held": 0, "errors": []}
+    for _ in range(rounds):
+        rng.shuffle(refs)
+        for ref in refs:
+            try:
+                answer = rows.reserve(run_id, owner="chaos", kind="thing", ref=ref)
+                if not answer.ok:
+                    out["held"] += 1
+                    continue
+                out["reserved"] += 1
+                token = rows.claim_revert(answer.id)
+                if token is not None:
+                    rows.mark_reverted([answer.id], token=token)
+            except Exception as exc:  # the test asserts none escapes
+                out["errors"].append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+TASKS.update({"cleanup_killed_at": task_cleanup_killed_at, "reserve_release": task_reserve_release})
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import time
 from typing import Any
 
@@ -15,10 +16,13 @@ from .models import Announcement, Call, Creature, RegionSetting, Switch
 SWITCHES = {
     "spawn.lose_answer": "spawn, then lose the answer (raise as a dropped connection would)",
     "spawn.hang": "hang for ever before answering",
+    "spawn.hang_after": "spawn, then hang for ever before answering",
     "spawn.raise": "raise before doing anything",
     "spawn.garbage": "answer something that is not an envelope",
     "despawn.fail": "answer {ok: false} (value: how many times; true: always)",
     "despawn.hang": "hang for ever",
+    "despawn.die": "kill the process that asked (SIGKILL), as a crashing sweeper host would",
+    "despawn.wait": "wait while this switch is on, then despawn",
     "despawn.raise": "raise",
     "despawn.garbage": "answer garbage",
     "reconcile.hang": "hang for ever",
@@ -80,6 +84,8 @@ def spawn(*, run_id: int, params: dict[str, Any], idempotency_key: str) -> Any:
                         spawned_by=idempotency_key,
                     )
                 )
+    if _fault("spawn.hang_after"):
+        _hang()
     if _fault("spawn.lose_answer"):
         raise AnswerLost("connection reset before the answer arrived")
     return {"ok": True, "resources": [{"kind": "creature", "ref": c.serial} for c in existing]}
@@ -98,6 +104,11 @@ def despawn(*, run_id: int, resources: list[dict[str, Any]], idempotency_key: st
         raise RuntimeError("the despawner crashed")
     if _fault("despawn.hang"):
         _hang()
+    if _fault("despawn.die"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while Switch.objects.filter(name="despawn.wait").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     if _fault("despawn.garbage"):
         return ["not", "an", "envelope"]
     if _fault("despawn.fail"):

@@ -1,0 +1,439 @@
+"""Reliability under fire: fault injection on real processes and real servers.
+
+Each scenario asserts its invariant and records one figure. ``make test`` runs the short
+version of every scenario; ``make chaos`` runs the long one (``LEDGER_CHAOS=long``) on
+every database and prints the table of figures (``scripts/chaos``). Faults are real: a
+SIGKILL, a SIGSTOP, a hung call, a process that dies inside a module's call. The world
+is the demo's; the database is never faked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from django.db import connections
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
+from events_ledger import Action, Lease
+from events_ledger.cleanup import cleanup_run, reconcile_module, sweep
+from events_ledger.ledger import execute_step
+from events_ledger.models import EventRun, EventRunResource, EventRunStep
+from project.world import world as w
+from project.world.models import Call, Creature
+from tests.conftest import age_rows
+from tests.helpers import new_run, new_step, spawn_step
+from tests.processes import race, spawn
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+Res = EventRunResource.objects
+LONG = os.environ.get("LEDGER_CHAOS") == "long"
+PATIENCE_S = 120
+
+
+def size(short: int, long: int) -> int:
+    return long if LONG else short
+
+
+@pytest.fixture
+def figure(request, vendor):
+    """Record a scenario's figure and whether its invariant held, for ``make chaos``."""
+    recorded: dict[str, Any] = {}
+
+    def record(value: str, holds: bool, **detail: Any) -> None:
+        recorded.update(figure=value, invariant=holds, detail=detail)
+
+    yield record
+    path = os.environ.get("LEDGER_CHAOS_REPORT")
+    if path and recorded:
+        line = {
+            "scenario": request.node.name,
+            "database": vendor,
+            "size": "long" if LONG else "short",
+            **recorded,
+        }
+        with open(path, "a") as out:
+            out.write(json.dumps(line, default=str) + "\n")
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + PATIENCE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def finished_run(count: int, name: str = "chaos", region: str = "north") -> EventRun:
+    run = new_run(name=name)
+    assert execute_step(spawn_step(run, region, count)).outcome == "done"
+    EventRun.objects.transition(run, "cancelled", from_="running")
+    return run
+
+
+def despawn_calls_per_creature() -> Counter[int]:
+    per_ref = Counter(
+        ref
+        for refs in Call.objects.filter(verb="despawn").values_list("refs", flat=True)
+        for ref in refs
+    )
+    return Counter(per_ref.values())
+
+
+def all_given_back(runs: list[EventRun]) -> bool:
+    statuses = set(
+        EventRun.objects.filter(pk__in=[r.pk for r in runs]).values_list(
+            "cleanup_status", flat=True
+        )
+    )
+    return (
+        Creature.objects.count() == 0
+        and not Res.filter(run__in=runs).unresolved().exists()
+        and statuses == {"complete"}
+    )
+
+
+def age_step_claims(run: EventRun) -> None:
+    """The claim as a dead worker leaves it: nobody stamps it any more, and the TTL passed."""
+    EventRunStep.objects.filter(run=run).update(claimed_at=datetime(2000, 1, 1, tzinfo=UTC))
+
+
+def start(task: str, args: dict[str, Any], settings: dict[str, Any] | None = None) -> Any:
+    child = spawn(
+        "tests.procs",
+        task,
+        json.dumps(args),
+        settings=settings,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert child.stdout.readline().strip() == "ready"
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    return child
+
+
+def finish(child: Any) -> dict[str, Any]:
+    out, _ = child.communicate(timeout=PATIENCE_S)
+    lines = out.strip().splitlines()
+    return json.loads(lines[-1]) if lines else {}
+
+
+# ── 8 sweepers, every revert exactly once ──
+
+
+def test_sweepers_together_revert_every_resource_exactly_once(world, vendor, figure):  # C5, R5
+    sweepers, runs_n, per_run = 8, size(20, 200), size(5, 10)
+    runs = [finished_run(per_run, name=f"r{i}") for i in range(runs_n)]
+    results = race("sweep", [{} for _ in range(sweepers)], timeout=900)
+    histogram = despawn_calls_per_creature()
+    crashes = [r for r in results if "crash" in r]
+    holds = histogram == Counter({1: runs_n * per_run}) and all_given_back(runs) and not crashes
+    figure(
+        f"{runs_n * per_run} resources, {sweepers} sweepers: calls per resource {dict(histogram)}",
+        holds,
+        lost=Creature.objects.count(),
+        stuck=Res.filter(run__in=runs).unresolved().count(),
+    )
+    assert not crashes, crashes
+    assert histogram == Counter({1: runs_n * per_run}), histogram
+    assert all_given_back(runs)
+
+
+# ── SIGKILL of a sweeper at each of four points ──
+
+POINTS = ("after_claim", "inside_revert", "after_revert", "during_verdict")
+#: Calls of revert per step a trial makes: the dead sweeper's, and the one that finishes.
+CALLS = {"after_claim": 1, "inside_revert": 2, "after_revert": 2, "during_verdict": 1}
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_sweeper_killed_at_any_point_is_finished_by_the_next(world, point, figure):  # R5, C4
+    trials, resolved, calls_seen = size(2, 50), 0, Counter()
+    for trial in range(trials):
+        Call.objects.all().delete()
+        run = finished_run(2, name=f"{point}-{trial}")
+        if point == "inside_revert":
+            world.switch_on("despawn.die", 1)
+        child = start("cleanup_killed_at", {"run_id": run.pk, "point": point})
+        child.wait(PATIENCE_S)
+        assert child.returncode == -signal.SIGKILL, finish(child)
+        rows = list(Res.filter(run=run, kind="creature"))
+        # A kill is not a failure: no attempt was spent.
+        assert {r.revert_attempts for r in rows} == {0}
+        # The claim TTL passes (the dead sweeper never writes again), then one pass.
+        age_rows(EventRunResource, [r.pk for r in rows], seconds=3600)
+        sweep()
+        resolved += all_given_back([run])
+        assert {r.revert_attempts for r in Res.filter(run=run, kind="creature")} == {0}
+        calls_seen[Call.objects.filter(verb="despawn").count()] += 1
+    holds = resolved == trials and set(calls_seen) == {CALLS[point]}
+    figure(
+        f"{point}: {resolved}/{trials} resolved within TTL + one pass; revert calls {dict(calls_seen)}",
+        holds,
+    )
+    assert resolved == trials
+    assert set(calls_seen) == {CALLS[point]}, calls_seen
+
+
+# ── SIGSTOP past the claim TTL, then SIGCONT ──
+
+
+def test_a_stopped_sweeper_writes_no_verdict_after_its_claim_was_taken(world, figure):  # R5
+    trials, late_verdicts, fenced = size(2, 200), 0, 0
+    for trial in range(trials):
+        Call.objects.all().delete()
+        run = finished_run(1, name=f"stop-{trial}")
+        world.switch_on("despawn.wait")
+        child = start("cleanup", {"run_id": run.pk})
+        try:
+            wait_until(lambda: Call.objects.filter(verb="despawn").exists(), "the revert")
+            os.kill(child.pid, signal.SIGSTOP)
+            rows = list(Res.filter(run=run, kind="creature"))
+            age_rows(EventRunResource, [r.pk for r in rows], seconds=3600)
+            world.switch_off("despawn.wait")
+            sweep()  # takes the claim over and gives the resource back
+            assert all_given_back([run])
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+        result = finish(child)
+        late_verdicts += result.get("reverted", 0) + result.get("failed", 0)
+        fenced += result.get("fenced", 0)
+    figure(
+        f"{late_verdicts} verdicts written after takeover in {trials} trials", late_verdicts == 0
+    )
+    assert late_verdicts == 0 and fenced == trials
+
+
+# ── SIGKILL of a worker inside perform, the run then cancelled ──
+
+
+def test_a_worker_killed_inside_perform_is_given_back_by_key(world, figure):  # rule 1, W5
+    trials, given_back = size(3, 50), 0
+    for trial in range(trials):
+        run = new_run(name=f"perform-{trial}")
+        step = spawn_step(run, "north", 2)
+        world.switch_on("spawn.hang_after", 1)
+        child = start("execute", {"step_id": step.pk})
+        wait_until(
+            lambda key=step.idempotency_key: Creature.objects.filter(spawned_by=key).count() == 2,
+            "the spawn",
+        )
+        child.kill()
+        child.wait(PATIENCE_S)
+        EventRun.objects.transition(run, "cancelled", from_="running")
+        age_step_claims(run)
+        sweep()
+        given_back += all_given_back([run])
+    figure(
+        f"{given_back}/{trials} ({100 * given_back // trials}%) given back by key",
+        given_back == trials,
+    )
+    assert given_back == trials
+
+
+# ── many processes reserving and releasing the same targets ──
+
+
+def test_processes_reserving_the_same_targets_hold_one_live_row_each(vendor, figure):  # R0, R1
+    procs, targets, rounds = size(6, 16), size(100, 500), size(2, 3)
+    if vendor == "sqlite":
+        procs = min(procs, 4)
+    run = new_run()
+    refs = [f"t{i}" for i in range(targets)]
+    samples, worst, stop = [0], [0], threading.Event()
+    table = Res.model._meta.db_table
+
+    def sample() -> None:
+        probe = connections.create_connection("default")
+        try:
+            while not stop.is_set():
+                with probe.cursor() as c:
+                    c.execute(
+                        f"SELECT COUNT(*) FROM {table} WHERE status IN ('pending','confirmed',"
+                        "'reverting') GROUP BY owner_module, kind, ref ORDER BY 1 DESC LIMIT 1"
+                    )
+                    row = c.fetchone()
+                samples[0] += 1
+                worst[0] = max(worst[0], row[0] if row else 0)
+        finally:
+            probe.close()
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        results = race(
+            "reserve_release",
+            [{"run_id": run.pk, "refs": refs, "seed": i, "rounds": rounds} for i in range(procs)],
+            timeout=900,
+        )
+    finally:
+        stop.set()
+        sampler.join(PATIENCE_S)
+    errors = [e for r in results for e in r["errors"]]
+    holds = worst[0] <= 1 and not errors
+    figure(
+        f"{procs} processes x {targets} targets: at most {worst[0]} live row per target in "
+        f"{samples[0]} samples, {len(errors)} errors escaped",
+        holds,
+        reserved=sum(r["reserved"] for r in results),
+    )
+    assert not errors, errors[:5]
+    assert worst[0] <= 1 and samples[0] > 0
+
+
+# ── a module whose revert kills its sweeper every time ──
+
+
+def test_a_revert_that_kills_every_sweeper_is_failed_for_good(world, settings, figure):  # poison
+    run = finished_run(1)
+    world.switch_on("despawn.die")
+    max_claims = settings.EVENTS_LEDGER.get("MAX_CLAIMS_WITHOUT_VERDICT", 5)
+    claims = 0
+    for _ in range(max_claims + 2):
+        row = Res.get(run=run, kind="creature")
+        if row.claim_count >= max_claims and row.status == "confirmed":
+            break  # spent: the sweep leaves it for a human
+        age_rows(EventRunResource, [row.pk], seconds=3600)
+        child = start("cleanup", {"run_id": run.pk})
+        child.wait(PATIENCE_S)
+        claims += 1
+    row = Res.get(run=run, kind="creature")
+    module_calls = Call.objects.filter(verb="despawn").count()
+    holds = row.status == "confirmed" and row.revert_attempts >= 1 and claims == max_claims
+    figure(f"failed for good at claim {claims} ({module_calls} module calls)", holds)
+    assert claims == max_claims and module_calls == max_claims - 1
+    assert "without a verdict" in row.last_error
+    run.refresh_from_db()
+    assert run.cleanup_status == "incomplete"
+
+
+# ── a module whose revert hangs ──
+
+
+def test_a_hung_revert_costs_the_pass_its_budget(world, isolated_registry, figure):  # deadline
+    budget_s = 0.5
+    isolated_registry.actions.pop("world.spawn")
+    isolated_registry.register_action(
+        Action(
+            id="world.spawn",
+            owner="world",
+            reversible="ledger",
+            budget_ms=int(budget_s * 1000),
+            perform=w.spawn,
+            revert=w.despawn,
+        )
+    )
+    run = finished_run(1)
+    world.switch_on("despawn.hang")
+    started = time.monotonic()
+    summary = cleanup_run(run)
+    took = time.monotonic() - started
+    holds = took <= budget_s + 1 and summary.failed == 1
+    figure(f"the pass came back in {took:.2f}s (budget {budget_s}s)", holds)
+    assert holds
+
+
+# ── garbage answers ──
+
+junk = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["ok", "error", "retry", "drifted", "failed", "in_force", "resources"]),
+            children,
+            max_size=4,
+        )
+    ),
+    max_leaves=8,
+)
+
+
+def test_garbage_answers_are_never_read_as_success(isolated_registry, figure):  # C1, W5, C6
+    answers: dict[str, Any] = {}
+    seen = {"examples": 0, "as_success": 0}
+
+    def answer(kind: str) -> Callable[..., Any]:
+        return lambda *args, **kwargs: answers[kind]
+
+    isolated_registry.register_action(
+        Action(
+            id="junk.act",
+            owner="junk",
+            reversible="ledger",
+            budget_ms=5_000,
+            perform=answer("perform"),
+            revert=answer("revert"),
+            reconcile=answer("reconcile"),
+        )
+    )
+    isolated_registry.register_lease(
+        Lease(
+            id="junk.lease",
+            owner="junk",
+            read=lambda **kw: 1,
+            apply=lambda *a, **kw: {"ok": True},
+            restore=answer("restore"),
+        )
+    )
+
+    @hsettings(
+        max_examples=size(60, 1000),
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    @given(value=junk, target=st.sampled_from(["perform", "revert", "restore", "reconcile"]))
+    def check(value: Any, target: str) -> None:
+        seen["examples"] += 1
+        ref = f"x{seen['examples']}"
+        answers.clear()
+        answers.update(
+            perform={"ok": True, "resources": [{"kind": "thing", "ref": ref}]},
+            revert={"ok": True},
+            restore={"ok": True},
+            reconcile={"ok": True, "in_force": [ref]},
+        )
+        answers[target] = value
+        success = isinstance(value, dict) and value.get("ok") is True
+        run = new_run()
+        if target == "perform":
+            outcome = execute_step(new_step(run, "junk.act")).outcome
+            seen["as_success"] += outcome == "done" and not success
+            Res.filter(run=run).update(status="reverted")
+            return
+        if target == "restore":
+            assert (
+                execute_step(
+                    new_step(run, "core.lease", {"lease": "junk.lease", "value": 2})
+                ).outcome
+                == "done"
+            )
+        else:
+            assert execute_step(new_step(run, "junk.act")).outcome == "done"
+        if target == "reconcile":
+            orphaned = reconcile_module("junk", force=True).orphaned
+            valid = success and isinstance(value.get("in_force"), list)
+            seen["as_success"] += bool(orphaned) and not valid
+            Res.filter(run=run).update(status="reverted")
+            return
+        EventRun.objects.transition(run, "completed", from_="running")
+        summary = cleanup_run(run)
+        drifted = isinstance(value, dict) and value.get("drifted") is True and not success
+        seen["as_success"] += summary.reverted > 0 and not success and not drifted
+        Res.filter(run=run).update(status="reverted")
+
+    check()
+    holds = seen["as_success"] == 0
+    figure(f"{seen['as_success']} of {seen['examples']} garbage answers read as success", holds)
+    assert holds
