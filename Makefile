@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt | sha1sum | cut -c1-12)
 STAMP6 := $(VENV6)/.installed-$(shell cat requirements-django6.txt | sha1sum | cut -c1-12)
 DEMO_DB := $(CURDIR)/project/demo.sqlite3
 
-.PHONY: venv venv6 demo serve test bench clean
+.PHONY: venv venv6 demo serve test bench chaos clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,10 @@ test: venv venv6
 bench: venv
 	scripts/bench-all
 
+# Every fault-injection scenario at full size on the three databases (long; not in CI).
+chaos: venv
+	scripts/chaos
+
 clean:
 	-scripts/rig/down
-	rm -rf $(VENV) $(VENV6) .rig $(DEMO_DB) .test-db.sqlite3 .test-run.sqlite3
+	rm -rf $(VENV) $(VENV6) .rig $(DEMO_DB) .test-db.sqlite3 .test-run.sqlite3 .chaos*.sqlite3
