@@ -12,7 +12,14 @@ from django.db import DatabaseError, connection, transaction
 from django.db.models import Exists, OuterRef
 
 from .conf import ledger_settings
-from .db import bounded, is_connection_lost, retrying_deadlocks, storable, storable_json
+from .db import (
+    bounded,
+    is_connection_lost,
+    retrying_deadlocks,
+    statements_retried,
+    storable,
+    storable_json,
+)
 from .deadline import call_with_deadline
 from .envelopes import Verdict, classify_revert, describe
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
@@ -305,10 +312,11 @@ def cleanup_run(
     if run.status not in EventRun.TERMINAL:
         raise RunNotTerminal(f"run {run.pk} is {run.status}: only a finished run is cleaned up")
     log = _LogBuffer(run)
-    try:
-        return _cleanup(run, reset_attempts, actor, log)
-    finally:
-        log.flush()
+    with statements_retried():
+        try:
+            return _cleanup(run, reset_attempts, actor, log)
+        finally:
+            log.flush()
 
 
 def _cleanup(
@@ -493,6 +501,11 @@ def sweep(limit: int | None = None, should_stop: Callable[[], bool] | None = Non
     costs the one run it was for; only a failed scan, when nothing can be worked at
     all, raises.
     """
+    with statements_retried():
+        return _sweep(limit, should_stop)
+
+
+def _sweep(limit: int | None, should_stop: Callable[[], bool] | None) -> SweepReport:
     report = SweepReport()
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
@@ -578,6 +591,11 @@ def reconcile_module(
     nothing is orphaned unless ``force``: a half-started world that answers "I have
     nothing" must not wipe the ledger.
     """
+    with statements_retried():
+        return _reconcile(owner, force, max_fraction)
+
+
+def _reconcile(owner: str, force: bool, max_fraction: float | None) -> ReconcileSummary:
     summary = ReconcileSummary(owner=owner)
     rows = [r for r in Res.live_for_module(owner) if r.kind != STEP_KIND]
     missing: list[tuple[EventRunResource, str]] = []

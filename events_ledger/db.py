@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, IntegrityError, connections, models, transaction
@@ -144,3 +146,44 @@ def retrying_deadlocks(fn: Callable[[], T], *, using: str = "default", tries: in
                 raise
             time.sleep(0.005 * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+_retrying = threading.local()
+
+
+def _retry_statement(
+    execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
+) -> Any:
+    conn = context["connection"]
+    tries = 5
+    for attempt in range(tries):
+        try:
+            return execute(sql, params, many, context)
+        except (DatabaseError, IntegrityError) as exc:
+            # Outside a transaction the statement was its own transaction, and a
+            # deadlock victim (or a write Galera's certification refused: the same
+            # error, 1213) was rolled back whole: running it again is the retry at the
+            # transaction boundary. Inside one, the transaction's owner must retry it.
+            if conn.in_atomic_block or not is_deadlock(exc) or attempt == tries - 1:
+                raise
+            time.sleep(0.005 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+@contextmanager
+def statements_retried(using: str = "default") -> Iterator[None]:
+    """Every autocommitted statement the ledger runs in this block is retried when the
+    database picks it as a deadlock victim. One place for the rule, so no statement of
+    a step or a sweep can end a worker with an unretried 1213; statements inside an
+    atomic block are left to its owner. Module calls run in their own threads, on
+    their own connections, and are never retried by this."""
+    conn = connections[using]
+    if getattr(_retrying, "conn", None) is conn:
+        yield  # already installed on this thread's connection
+        return
+    _retrying.conn = conn
+    try:
+        with conn.execute_wrapper(_retry_statement):
+            yield
+    finally:
+        _retrying.conn = None

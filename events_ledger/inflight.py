@@ -72,9 +72,11 @@ class ClaimKeeper:
             if not tokens:
                 continue
             try:
+                from .db import statements_retried
                 from .models import EventRunStep
 
-                EventRunStep.objects.refresh_claims(tokens)
+                with statements_retried():
+                    EventRunStep.objects.refresh_claims(tokens)
             except Exception:
                 # The next beat tries again on a new connection; a claim that goes stale
                 # meanwhile is the same as a dead process's, which the TTL is there for.

@@ -11,7 +11,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from .conf import ledger_settings
-from .db import bounded, retrying_deadlocks, storable, storable_json
+from .db import bounded, retrying_deadlocks, statements_retried, storable, storable_json
 from .deadline import CallResult, call_with_deadline
 from .envelopes import describe, is_success
 from .inflight import keeper, process_name
@@ -362,6 +362,11 @@ def execute_step(step_or_id: EventRunStep | int) -> StepResult:
     waits), and its answer, when it comes, is recorded and the step settled.
     """
     step_id: int = step_or_id.pk if isinstance(step_or_id, EventRunStep) else int(step_or_id)
+    with statements_retried():
+        return _claim_and_execute(step_id)
+
+
+def _claim_and_execute(step_id: int) -> StepResult:
     token = EventRunStep.objects.claim(step_id, by=process_name())
     if token is None:
         return StepResult("busy", error="another call of this step holds its claim")
@@ -403,7 +408,8 @@ def _execute(step_id: int, token: str) -> tuple[StepResult, bool]:
 
     def late(call: CallResult) -> None:
         try:
-            _settle(step, token, _outcome(run, step, action, placeholder_id, call), late=True)
+            with statements_retried():
+                _settle(step, token, _outcome(run, step, action, placeholder_id, call), late=True)
         finally:
             keeper.release(token)
 
@@ -601,7 +607,8 @@ def _lease(run: EventRun, step: EventRunStep, token: str) -> StepResult:
 
     def late(call: CallResult) -> None:
         try:
-            _settle(step, token, applied_outcome(call), late=True)
+            with statements_retried():
+                _settle(step, token, applied_outcome(call), late=True)
         finally:
             keeper.release(token)
 

@@ -68,6 +68,12 @@ if _db["ENGINE"].endswith("sqlite3"):
 elif _db["ENGINE"].endswith("mysql"):
     # utf8mb4 for every text; the ledger's key columns pick their own byte-wise collation.
     _db.setdefault("OPTIONS", {}).update({"charset": "utf8mb4"})
+    # A node that stops answering after a committed write (seen on Galera) must not hang
+    # a sweeper for ever: the read times out as "lost connection" (2013), which the
+    # ledger treats as outcome unknown and retries only where the write is fenced.
+    _read_timeout = env.int("DATABASE_READ_TIMEOUT", default=60)
+    if _read_timeout:
+        _db["OPTIONS"].update({"read_timeout": _read_timeout, "write_timeout": _read_timeout})
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

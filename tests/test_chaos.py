@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -21,7 +22,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from django.db import connections
+from django.db import connection, connections
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
@@ -437,3 +438,94 @@ def test_garbage_answers_are_never_read_as_success(isolated_registry, figure):  
     holds = seen["as_success"] == 0
     figure(f"{seen['as_success']} of {seen['examples']} garbage answers read as success", holds)
     assert holds
+
+
+# ── the database server killed and restarted under a cron loop ──
+
+
+def _restart_rig_mariadb() -> float:
+    """SIGKILL the rig's MariaDB and start it again on its own data; answers how long
+    it was unreachable."""
+    import shutil
+    import socket
+    from pathlib import Path
+
+    rig = Path(os.environ.get("RIG_DIR", Path(__file__).resolve().parent.parent / ".rig"))
+    pid = int((rig / "mariadb" / "mariadbd.pid").read_text().split()[0])
+    port = int(connection.settings_dict["PORT"])
+    started = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not Path(f"/proc/{pid}").exists() or _zombie(pid), "the server to die")
+    binary = shutil.which("mariadbd") or shutil.which("mysqld")
+    assert binary, "no mariadbd on PATH"
+    subprocess.Popen(
+        [binary, f"--defaults-file={rig / 'my.cnf'}", "--user=root"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+    def accepting() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    wait_until(accepting, "the server to come back")
+    return time.monotonic() - started
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def test_the_cron_loop_survives_the_database_server_restarting(world, vendor, figure):  # C5
+    if vendor != "mysql":
+        pytest.skip(
+            "the rig restarts its MariaDB server; the loop's reconnect is the same elsewhere"
+        )
+    from tests.processes import ROOT, child_env
+
+    runs = [finished_run(2, name=f"restart-{i}") for i in range(size(12, 60))]
+    env = child_env()
+    env.update(EVENT_CLEANUP_RUN_BATCH="3", EVENT_REVERT_CLAIM_TTL_MS="3000")
+    loop = subprocess.Popen(
+        [sys.executable, "manage.py", "cleanup_runs", "--loop", "0.2"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+
+        def some_complete() -> bool:
+            return EventRun.objects.filter(
+                pk__in=[r.pk for r in runs], cleanup_status="complete"
+            ).exists()
+
+        wait_until(some_complete, "the loop's first pass")
+        connections.close_all()
+        down_s = _restart_rig_mariadb()
+        back = time.monotonic()
+        connections.close_all()
+        wait_until(lambda: all_given_back(runs), "every run given back after the restart")
+        took = time.monotonic() - back
+        alive = loop.poll() is None
+    finally:
+        loop.send_signal(signal.SIGTERM)
+        out, err = loop.communicate(timeout=PATIENCE_S)
+    holds = alive and all_given_back(runs)
+    figure(
+        f"server down {down_s:.1f}s; all {len(runs)} runs complete {took:.1f}s after it came back; "
+        f"the loop survived ({err.count('the pass failed')} failed passes reported)",
+        holds,
+    )
+    assert alive, err[-2000:]
+    assert all_given_back(runs)
