@@ -7,6 +7,9 @@ from project.settings import *  # noqa: F403
 from project.settings import DATABASES
 
 DATABASES["default"]["NAME"] = os.environ["LEDGER_CHILD_DB_NAME"]
+# A cluster's other node (the Galera scenarios spread their processes over the nodes).
+if os.environ.get("LEDGER_CHILD_DB_PORT"):
+    DATABASES["default"]["PORT"] = os.environ["LEDGER_CHILD_DB_PORT"]
 
 # Ledger settings a test hands its children (short TTLs for the chaos scenarios).
 EVENTS_LEDGER.update(json.loads(os.environ.get("LEDGER_CHILD_SETTINGS", "{}")))  # noqa: F405

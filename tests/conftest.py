@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import json
+import os
+from typing import Any
+
 import pytest
 from django.db import connection
 
@@ -37,3 +41,24 @@ def world():
     w.switch_off()
     yield w
     w.switch_off()
+
+
+@pytest.fixture
+def figure(request, vendor):
+    """Record a scenario's figure and whether its invariant held, for ``make chaos``."""
+    recorded: dict[str, Any] = {}
+
+    def record(value: str, holds: bool, **detail: Any) -> None:
+        recorded.update(figure=value, invariant=holds, detail=detail)
+
+    yield record
+    path = os.environ.get("LEDGER_CHAOS_REPORT")
+    if path and recorded:
+        line = {
+            "scenario": request.node.name,
+            "database": vendor,
+            "size": os.environ.get("LEDGER_CHAOS", "short"),
+            **recorded,
+        }
+        with open(path, "a") as out:
+            out.write(json.dumps(line, default=str) + "\n")

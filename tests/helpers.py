@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
-from events_ledger.models import EventRun, EventRunStep
+from events_ledger.models import EventRun, EventRunResource, EventRunStep
+
+#: Long enough for any wait of a test on a loaded machine; a test that needs it failed.
+PATIENCE_S = 120
 
 
 def new_run(name: str = "run", status: str = "running", **kw: Any) -> EventRun:
@@ -66,3 +73,54 @@ def short_budget_world_spawn(registry: Any, budget_ms: int = 300) -> Any:
     )
     registry.register_action(action)
     return action
+
+
+def wait_until(condition: Callable[[], bool], what: str, patience_s: float = PATIENCE_S) -> None:
+    """Poll a condition the test is entitled to expect, with a deadline that fails."""
+    deadline = time.monotonic() + patience_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def finished_run(count: int, name: str = "chaos", region: str = "north") -> EventRun:
+    """A run that spawned ``count`` creatures in the demo world and was cancelled."""
+    from events_ledger.ledger import execute_step
+
+    run = new_run(name=name)
+    assert execute_step(spawn_step(run, region, count)).outcome == "done"
+    EventRun.objects.transition(run, "cancelled", from_="running")
+    return run
+
+
+def despawn_calls_per_creature() -> Counter[int]:
+    """How many creatures the world was asked to despawn once, twice, …"""
+    from project.world.models import Call
+
+    per_ref = Counter(
+        ref
+        for refs in Call.objects.filter(verb="despawn").values_list("refs", flat=True)
+        for ref in refs
+    )
+    return Counter(per_ref.values())
+
+
+def all_given_back(runs: list[EventRun]) -> bool:
+    """The world is empty, nothing of the runs is unresolved, every summary is complete."""
+    from project.world.models import Creature
+
+    statuses = set(
+        EventRun.objects.filter(pk__in=[r.pk for r in runs]).values_list(
+            "cleanup_status", flat=True
+        )
+    )
+    return (
+        Creature.objects.count() == 0
+        and not EventRunResource.objects.filter(run__in=runs).unresolved().exists()
+        and statuses == {"complete"}
+    )
+
+
+def age_step_claims(run: EventRun) -> None:
+    """The claim as a dead worker leaves it: nobody stamps it any more, and the TTL passed."""
+    EventRunStep.objects.filter(run=run).update(claimed_at=datetime(2000, 1, 1, tzinfo=UTC))

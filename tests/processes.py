@@ -24,12 +24,19 @@ def child_env(settings: dict[str, Any] | None = None) -> dict[str, str]:
 
 
 def spawn(
-    module: str, *args: str, settings: dict[str, Any] | None = None, **popen: Any
+    module: str,
+    *args: str,
+    settings: dict[str, Any] | None = None,
+    port: str | None = None,
+    **popen: Any,
 ) -> subprocess.Popen[str]:
+    env = child_env(settings)
+    if port:
+        env["LEDGER_CHILD_DB_PORT"] = str(port)
     return subprocess.Popen(
         [sys.executable, "-m", module, *args],
         cwd=ROOT,
-        env=child_env(settings),
+        env=env,
         text=True,
         **popen,
     )
@@ -40,18 +47,21 @@ def race(
     arg_list: list[dict[str, Any]],
     timeout: float = 120,
     settings: dict[str, Any] | None = None,
+    ports: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Start one child per argument set, release them together, collect their answers."""
+    """Start one child per argument set, release them together, collect their answers.
+    ``ports``: the database port of each child in turn (a cluster's nodes)."""
     procs = [
         spawn(
             "tests.procs",
             task,
             json.dumps(args),
             settings=settings,
+            port=ports[i % len(ports)] if ports else None,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
-        for args in arg_list
+        for i, args in enumerate(arg_list)
     ]
     try:
         for p in procs:
@@ -71,3 +81,30 @@ def race(
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def start(
+    task: str, args: dict[str, Any], settings: dict[str, Any] | None = None, port: str | None = None
+) -> subprocess.Popen[str]:
+    """One child of ``tests.procs``, started and released at once."""
+    child = spawn(
+        "tests.procs",
+        task,
+        json.dumps(args),
+        settings=settings,
+        port=port,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert child.stdout is not None and child.stdin is not None
+    assert child.stdout.readline().strip() == "ready"
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    return child
+
+
+def finish(child: subprocess.Popen[str], timeout: float = 120) -> dict[str, Any]:
+    """The child's one JSON answer (empty when it died without one)."""
+    out, _ = child.communicate(timeout=timeout)
+    lines = (out or "").strip().splitlines()
+    return json.loads(lines[-1]) if lines else {}

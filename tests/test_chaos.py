@@ -9,7 +9,6 @@ is the demo's; the database is never faked.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +17,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -30,104 +28,30 @@ from hypothesis import strategies as st
 from events_ledger import Action, Lease
 from events_ledger.cleanup import cleanup_run, reconcile_module, sweep
 from events_ledger.ledger import execute_step
-from events_ledger.models import EventRun, EventRunResource, EventRunStep
+from events_ledger.models import EventRun, EventRunResource
 from project.world import world as w
 from project.world.models import Call, Creature
 from tests.conftest import age_rows
-from tests.helpers import new_run, new_step, spawn_step
-from tests.processes import race, spawn
+from tests.helpers import (
+    PATIENCE_S,
+    age_step_claims,
+    all_given_back,
+    despawn_calls_per_creature,
+    finished_run,
+    new_run,
+    new_step,
+    spawn_step,
+    wait_until,
+)
+from tests.processes import finish, race, start
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 Res = EventRunResource.objects
 LONG = os.environ.get("LEDGER_CHAOS") == "long"
-PATIENCE_S = 120
 
 
 def size(short: int, long: int) -> int:
     return long if LONG else short
-
-
-@pytest.fixture
-def figure(request, vendor):
-    """Record a scenario's figure and whether its invariant held, for ``make chaos``."""
-    recorded: dict[str, Any] = {}
-
-    def record(value: str, holds: bool, **detail: Any) -> None:
-        recorded.update(figure=value, invariant=holds, detail=detail)
-
-    yield record
-    path = os.environ.get("LEDGER_CHAOS_REPORT")
-    if path and recorded:
-        line = {
-            "scenario": request.node.name,
-            "database": vendor,
-            "size": "long" if LONG else "short",
-            **recorded,
-        }
-        with open(path, "a") as out:
-            out.write(json.dumps(line, default=str) + "\n")
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + PATIENCE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-def finished_run(count: int, name: str = "chaos", region: str = "north") -> EventRun:
-    run = new_run(name=name)
-    assert execute_step(spawn_step(run, region, count)).outcome == "done"
-    EventRun.objects.transition(run, "cancelled", from_="running")
-    return run
-
-
-def despawn_calls_per_creature() -> Counter[int]:
-    per_ref = Counter(
-        ref
-        for refs in Call.objects.filter(verb="despawn").values_list("refs", flat=True)
-        for ref in refs
-    )
-    return Counter(per_ref.values())
-
-
-def all_given_back(runs: list[EventRun]) -> bool:
-    statuses = set(
-        EventRun.objects.filter(pk__in=[r.pk for r in runs]).values_list(
-            "cleanup_status", flat=True
-        )
-    )
-    return (
-        Creature.objects.count() == 0
-        and not Res.filter(run__in=runs).unresolved().exists()
-        and statuses == {"complete"}
-    )
-
-
-def age_step_claims(run: EventRun) -> None:
-    """The claim as a dead worker leaves it: nobody stamps it any more, and the TTL passed."""
-    EventRunStep.objects.filter(run=run).update(claimed_at=datetime(2000, 1, 1, tzinfo=UTC))
-
-
-def start(task: str, args: dict[str, Any], settings: dict[str, Any] | None = None) -> Any:
-    child = spawn(
-        "tests.procs",
-        task,
-        json.dumps(args),
-        settings=settings,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    assert child.stdout.readline().strip() == "ready"
-    child.stdin.write("go\n")
-    child.stdin.flush()
-    return child
-
-
-def finish(child: Any) -> dict[str, Any]:
-    out, _ = child.communicate(timeout=PATIENCE_S)
-    lines = out.strip().splitlines()
-    return json.loads(lines[-1]) if lines else {}
 
 
 # ── 8 sweepers, every revert exactly once ──

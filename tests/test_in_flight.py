@@ -12,7 +12,6 @@ import math
 import secrets
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -26,21 +25,11 @@ from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from project.world import world as w
 from project.world.models import Call, Creature, RegionSetting
-from tests.helpers import new_run, new_step
+from tests.helpers import PATIENCE_S, new_run, new_step, wait_until
 from tests.processes import spawn
 
 Res = EventRunResource.objects
 world_db = pytest.mark.django_db(transaction=True)
-#: Long enough for any wait below on a loaded machine; a test that needs it has failed.
-PATIENCE_S = 60
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    """Poll a condition the test is entitled to expect, with a deadline that fails."""
-    deadline = time.monotonic() + PATIENCE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 class Gate:
