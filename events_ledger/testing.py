@@ -15,9 +15,9 @@ The kit makes real calls, each under ``call_with_deadline`` with the action's (o
 lease's) budget, as the ledger itself would: a module that hangs is a broken promise, not
 a hung test suite, and one that raises is a broken promise with the exception in the
 details. It uses ``run_id=0`` unless told otherwise and a fresh idempotency key for every
-perform, and gives back what it made wherever it can. A module that keeps its data in a
-database needs committed data to see it from the deadline's worker threads: with
-pytest-django, ``@pytest.mark.django_db(transaction=True)``.
+perform but the one retry it makes on purpose, and gives back what it made wherever it
+can. A module that keeps its data in a database needs committed data to see it from the
+deadline's worker threads: with pytest-django, ``@pytest.mark.django_db(transaction=True)``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ __all__ = [
 #: ``perform`` answers ``{"ok": True, "resources": [{"kind", "ref"}, ...]}``, each entry one
 #: the ledger accepts (``events_ledger.ledger.normalise``).
 PERFORM_ANSWERS_ENVELOPE = "perform_answers_envelope"
+#: A second ``perform`` with the same key makes nothing new and answers what the first
+#: made: the ledger retries a step with its key after a lost answer, and records only the
+#: retry's answer.
+PERFORM_IS_IDEMPOTENT_BY_KEY = "perform_is_idempotent_by_key"
 #: ``revert`` of resources that never existed answers ``ok: True``.
 REVERT_OF_MISSING_IS_SUCCESS = "revert_of_missing_is_success"
 #: ``revert`` of what ``perform`` reported, twice: both answer ``ok: True``.
@@ -52,6 +56,11 @@ REVERT_TWICE_IS_SAFE = "revert_twice_is_safe"
 #: ``revert(resources=[], idempotency_key=k)`` gives back what the ``perform`` with key
 #: ``k`` made, when its answer was lost.
 REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER = "revert_by_key_gives_back_lost_answer"
+#: ``revert(resources=[], idempotency_key=k)`` gives back everything the ``perform`` with
+#: key ``k`` made, also what its answer reported and the ledger recorded: when part of an
+#: answer cannot be recorded, the step's placeholder stays and the ledger asks by key,
+#: with an empty list, for all of it.
+REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER = "revert_by_key_gives_back_partly_recorded_answer"
 #: ``reconcile``, when declared, answers ``{"ok": True, "in_force": [refs]}``.
 RECONCILE_ANSWERS_ENVELOPE_OR_NOTHING = "reconcile_answers_envelope_or_nothing"
 #: ``reconcile`` lists what ``perform`` just made: a live resource it leaves out would be
@@ -69,11 +78,13 @@ RESTORE_IS_SAFE_WHEN_ALREADY_BACK = "restore_is_safe_when_already_back"
 
 ACTION_PROMISES = (
     PERFORM_ANSWERS_ENVELOPE,
+    PERFORM_IS_IDEMPOTENT_BY_KEY,
     RECONCILE_ANSWERS_ENVELOPE_OR_NOTHING,
     RECONCILE_LISTS_WHAT_IS_IN_FORCE,
     REVERT_TWICE_IS_SAFE,
     REVERT_OF_MISSING_IS_SUCCESS,
     REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER,
+    REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER,
 )
 LEASE_PROMISES = (
     RESTORE_IS_SAFE_WHEN_ALREADY_BACK,
@@ -207,15 +218,16 @@ def check_action(
     pass to ``perform``. ``exists(resource) -> bool`` is an optional probe of your world
     (``resource`` is the dict the ledger passes to ``revert``: kind, ref, payload,
     member_key): it proves that ``revert(resources=[], idempotency_key=k)`` really gave
-    back what the lost ``perform`` made. Without it the kit asks the action's own
-    ``reconcile``, and without either it checks only the answer and says so in
+    back what the ``perform`` with key ``k`` made. Without it the kit asks the action's
+    own ``reconcile``, and without either it checks only the answer and says so in
     ``skipped``. ``missing`` are resources that do not exist, for the revert-of-missing
     promise; by default the kit makes some up from what ``perform`` reported.
 
-    A ``ledger`` action is performed twice (one answer kept, one treated as lost) and
-    everything it made is reverted. A ``none`` or ``self`` action is performed once and
-    only its answer is checked. An ``override`` action borrows through a lease: check the
-    lease with ``check_lease``.
+    A ``ledger`` action is performed five times with four keys: one answer kept, one
+    treated as lost, one treated as partly recorded, and one key performed twice, as a
+    retried step is. Everything it made is given back. A ``none`` or ``self`` action is
+    performed once and only its answer is checked. An ``override`` action borrows
+    through a lease: check the lease with ``check_lease``.
     """
     act = _resolve_action(action)
     if act.reversible == "override":
@@ -259,8 +271,6 @@ class _ActionCheck:
         #: Its reconcile answered the envelope and listed what perform made.
         self.reconcile_trusted = False
         self.in_force: set[str] = set()
-        #: exists() or reconcile saw that revert-by-key gave back what the lost perform made.
-        self.gone_verified = False
 
     def run(self) -> None:
         c, action = self.c, self.action
@@ -285,6 +295,10 @@ class _ActionCheck:
             c.promise(REVERT_TWICE_IS_SAFE, self.revert_twice)
             c.promise(REVERT_OF_MISSING_IS_SUCCESS, self.revert_of_missing)
             c.promise(REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER, self.revert_by_key)
+            c.promise(REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER, self.revert_by_key_partly)
+            # Last: whether revert by key gives back both answers is read only when the
+            # lost-answer promise is not broken already (one fault, named once).
+            c.promise(PERFORM_IS_IDEMPOTENT_BY_KEY, self.perform_is_idempotent)
         finally:
             if self.ledgered and REVERT_TWICE_IS_SAFE not in c.kept:
                 # Give back what the first perform made, whatever went wrong above.
@@ -432,37 +446,142 @@ class _ActionCheck:
             raise _Skipped("perform did not answer within its budget; a second one would hang too")
         key = _new_key()
         lost = self.perform(key)  # its answer is "lost": only the key is used below
-        made = _reported(lost.value, self.action.id)
+        return self.gives_back_by_key(
+            REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER,
+            key,
+            _reported(lost.value, self.action.id),
+            "the lost perform",
+        )
+
+    def revert_by_key_partly(self) -> str:
+        # The module cannot tell this case from a lost answer, and need not: the same
+        # call must give back everything the key made. What differs is the ledger's side:
+        # the recorded part is live on its ledger, so reconcile may be asked about it
+        # before the give-back, and a module that takes the list for "what the ledger
+        # holds" and the empty list for "only the rest" leaves the recorded part behind.
+        self.require_answers("there is no answer to record")
+        key = _new_key()
+        call = self.perform(key)
+        if call.timed_out or call.error is not None or not is_success(call.value):
+            self.give_back([], key)
+            why = call.message if call.timed_out or call.error else describe(call.value)
+            raise _Skipped(f"perform with a fresh key did not answer ok this time: {why}")
+        made = _reported(call.value, self.action.id)
+        # Read as the ledger reads an answer whose last entry it refused: the rest is
+        # recorded, and the placeholder stays.
+        recorded = made[:-1]
+        if recorded and callable(self.action.reconcile):
+            if RECONCILE_ANSWERS_ENVELOPE_OR_NOTHING in self.c.kept:
+                self.reconcile(recorded)  # as reconcile_resources may, while the run goes on
+        return self.gives_back_by_key(
+            REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER,
+            key,
+            made,
+            "the perform whose answer was partly recorded",
+        )
+
+    def perform_is_idempotent(self) -> str:
+        name = PERFORM_IS_IDEMPOTENT_BY_KEY
+        self.require_answers("its answers cannot be compared")
+        key = _new_key()
+        made: list[Resource] = []
+        given_back = False
+        try:
+            call = self.perform(key)
+            made = _reported(call.value, self.action.id)
+            if call.timed_out or call.error is not None or not is_success(call.value):
+                why = call.message if call.timed_out or call.error else describe(call.value)
+                raise _Skipped(f"the first perform with a fresh key did not answer ok: {why}")
+            retry = self.perform(key)
+            again = _reported(retry.value, self.action.id)
+            made = _unique(made + again)
+            if retry.timed_out or retry.error is not None or not is_success(retry.value):
+                why = retry.message if retry.timed_out or retry.error else describe(retry.value)
+                raise _Broken(
+                    f"a second perform with the same key did not answer ok ({why}): the "
+                    "ledger retries a step with its key after a lost answer, so a retry "
+                    "must answer ok with what the key made"
+                )
+            before = {(r["kind"], r["ref"]) for r in _reported(call.value, self.action.id)}
+            after = {(r["kind"], r["ref"]) for r in again}
+            if after - before:
+                raise _Broken(
+                    "a second perform with the same key answered "
+                    f"{describe(sorted(ref for _, ref in after - before))}, which the first "
+                    "did not: a retried step would make it twice"
+                )
+            if before - after:
+                raise _Broken(
+                    "a second perform with the same key left out "
+                    f"{describe(sorted(ref for _, ref in before - after))}, which the first "
+                    "reported: the ledger records a retry's answer, so what it leaves out "
+                    "would never be given back"
+                )
+            same = f"both performs with one key answered the same {len(before)} resource(s)"
+            if REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER in self.c.broken:
+                self.c.skipped[name] = (
+                    "whether revert by key gives back what both performs made: "
+                    f"{REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER} is broken already"
+                )
+                return same
+            given_back = True
+            return f"{same}; " + self.gives_back_by_key(name, key, made, "the two performs")
+        finally:
+            if not given_back:
+                # The kit's own cleanup: by key, unless that is what is broken, and by
+                # the refs the performs reported.
+                if REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER not in self.c.broken:
+                    self.give_back([], key)
+                if made:
+                    self.give_back(made, key)
+
+    def require_answers(self, otherwise: str) -> None:
+        """A promise about a received answer needs a perform that answers the envelope."""
+        if self.perform_timed_out:
+            raise _Skipped("perform did not answer within its budget; a second one would hang too")
+        if PERFORM_ANSWERS_ENVELOPE not in self.c.kept:
+            raise _Skipped(
+                f"perform does not answer the envelope (see {PERFORM_ANSWERS_ENVELOPE}), so "
+                + otherwise
+            )
+
+    def gives_back_by_key(self, name: str, key: str, made: list[Resource], whose: str) -> str:
+        """``revert(resources=[], idempotency_key=key)`` answers ok and what ``whose``
+        reported (``made``) is gone. What could not be seen gone is given back by its
+        refs afterwards, so the kit leaves the world as it found it."""
+        verified = False
         try:
             self.require_revert(self.revert([], key), "revert(resources=[], idempotency_key=k)")
-            return self.check_gone(made)
+            note, verified = self.check_gone(name, made, whose)
+            return note
         finally:
-            if made and not self.gone_verified:
+            if made and not verified:
                 self.give_back(made, key)
 
-    def check_gone(self, made: list[Resource]) -> str:
-        name = REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER
+    def check_gone(self, name: str, made: list[Resource], whose: str) -> tuple[str, bool]:
+        """Look, with ``exists=`` or the trusted reconcile, whether ``made`` is gone.
+        Answers the promise's note and whether it was seen gone; ``_Broken`` when it is
+        still there. What cannot be seen is said in ``skipped``, under ``name``."""
         answered = "revert(resources=[], idempotency_key=k) answered ok"
         if not made:
             self.c.skipped[name] = (
-                "whether it gave anything back: the lost perform reported nothing to look for"
+                f"whether it gave anything back: {whose} reported nothing to look for"
             )
-            return answered
+            return answered, False
         refs = [r["ref"] for r in made]
         if self.exists is not None:
             still = [r["ref"] for r in made if self.exists(dict(r))]
             if still:
                 raise _Broken(
-                    f"{answered}, but what the lost perform made is still there: {describe(still)}"
+                    f"{answered}, but what {whose} made is still there: {describe(still)}"
                 )
-            self.gone_verified = True
-            return f"{answered} and exists() finds none of {describe(refs, 80)}"
+            return f"{answered} and exists() finds none of {describe(refs, 80)}", True
         if not self.reconcile_trusted:
             self.c.skipped[name] = (
                 "whether it gave anything back: pass exists=, or declare a reconcile "
                 "that lists what is in force"
             )
-            return answered
+            return answered, False
         answer = self.reconcile(made).value
         in_force = answer.get("in_force") if isinstance(answer, dict) else None
         if not (
@@ -471,14 +590,21 @@ class _ActionCheck:
             self.c.skipped[name] = (
                 "whether it gave anything back: reconcile did not answer the envelope"
             )
-            return answered
+            return answered, False
         still = [ref for ref in refs if ref in {str(x) for x in in_force}]
         if still:
             raise _Broken(
-                f"{answered}, but reconcile still lists what the lost perform made: {describe(still)}"
+                f"{answered}, but reconcile still lists what {whose} made: {describe(still)}"
             )
-        self.gone_verified = True
-        return f"{answered} and reconcile lists none of {describe(refs, 80)}"
+        return f"{answered} and reconcile lists none of {describe(refs, 80)}", True
+
+
+def _unique(resources: list[Resource]) -> list[Resource]:
+    """Resources once each, by kind and ref, in the order first seen."""
+    seen: dict[tuple[str, str], Resource] = {}
+    for r in resources:
+        seen.setdefault((r["kind"], r["ref"]), r)
+    return list(seen.values())
 
 
 def _reported(answer: Any, action_id: str) -> list[Resource]:

@@ -19,12 +19,14 @@ from events_ledger.testing import (
     ACTION_PROMISES,
     LEASE_PROMISES,
     PERFORM_ANSWERS_ENVELOPE,
+    PERFORM_IS_IDEMPOTENT_BY_KEY,
     RECONCILE_ANSWERS_ENVELOPE_OR_NOTHING,
     RECONCILE_LISTS_WHAT_IS_IN_FORCE,
     RESTORE_ANSWERS_DRIFTED_WHEN_VALUE_MOVED,
     RESTORE_IS_SAFE_WHEN_ALREADY_BACK,
     RESTORE_PUTS_BASELINE_BACK,
     REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER,
+    REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER,
     REVERT_OF_MISSING_IS_SUCCESS,
     REVERT_TWICE_IS_SAFE,
     ContractReport,
@@ -142,6 +144,8 @@ def test_the_demo_worlds_spawn_keeps_every_promise(world):  # contract kit, W5, 
     assert report.passed and report.broken == [] and report.skipped == {}
     assert report.kept == list(ACTION_PROMISES)
     assert "exists() finds none" in report.details[REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER]
+    assert "exists() finds none" in report.details[REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER]
+    assert "the same 2 resource(s)" in report.details[PERFORM_IS_IDEMPOTENT_BY_KEY]
     assert Creature.objects.count() == 0  # the kit gave back what it made
 
 
@@ -150,6 +154,7 @@ def test_the_demo_worlds_spawn_is_checked_through_its_own_reconcile(world):  # c
     report = check_action("world.spawn", params={"region": "south", "count": 1})
     assert report.broken == [] and report.skipped == {}
     assert "reconcile lists none" in report.details[REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER]
+    assert "reconcile lists none" in report.details[PERFORM_IS_IDEMPOTENT_BY_KEY]
     assert Creature.objects.count() == 0
 
 
@@ -186,7 +191,9 @@ def test_a_well_behaved_module_keeps_every_promise(isolated_registry):  # contra
     assert shelf.things == {}
     assert {run_id for _, run_id, _ in shelf.calls} == {7}
     performs = [key for verb, _, key in shelf.calls if verb == "perform"]
-    assert len(performs) == 2 and len(set(performs)) == 2  # a fresh key per perform
+    # A fresh key per perform, but for the retry of one key (the idempotency promise).
+    assert len(performs) == 5 and len(set(performs)) == 4
+    assert [key for key in performs if performs.count(key) == 2] == [performs[-1]] * 2
     assert all(re.fullmatch(r"[0-9a-f]{32}", key) for key in performs)  # uuid4 hex
     shelf.calls.clear()
     check_action("t.shelve", {"count": 1})
@@ -237,15 +244,80 @@ class IgnoresAnEmptyList(Shelf):
         return {"ok": True}
 
 
+class HoldsBackWhatTheLedgerHolds(Shelf):
+    """Takes the list for "what the ledger holds" and the empty list for "only the rest":
+    what reconcile was asked about (the ledger holds it) is left out of a give-back by key,
+    so the recorded part of a partly recorded answer stays in the world."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: set[str] = set()
+
+    def reconcile(self, *, run_id, resources):
+        self.asked |= {r["ref"] for r in resources}
+        return super().reconcile(run_id=run_id, resources=resources)
+
+    def revert(self, *, run_id, resources, idempotency_key):
+        if not resources:
+            mine = [ref for ref, key in self.things.items() if key == idempotency_key]
+            resources = [{"ref": ref} for ref in mine if ref not in self.asked]
+            if not resources:
+                return {"ok": True}
+        return super().revert(run_id=run_id, resources=resources, idempotency_key=idempotency_key)
+
+
+class MakesAgainOnRetry(Shelf):
+    """Not idempotent: every perform makes new things, whatever its key (all kept by key,
+    so a revert by key still gives back both calls' things)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.performed = 0
+
+    def perform(self, *, run_id, params, idempotency_key):
+        self.performed += 1
+        refs = [f"{idempotency_key[:12]}-{self.performed}-{i}" for i in range(2)]
+        with self.lock:
+            for ref in refs:
+                self.things[ref] = idempotency_key
+        return {"ok": True, "resources": [{"kind": "thing", "ref": ref} for ref in refs]}
+
+
+class AnswersNothingOnRetry(Shelf):
+    """A retry with a key it has seen answers ok with nothing ("already done"): the ledger
+    would record that answer, and the first call's things would never be given back."""
+
+    def perform(self, *, run_id, params, idempotency_key):
+        if idempotency_key in self.things.values():
+            return {"ok": True, "resources": []}
+        return super().perform(run_id=run_id, params=params, idempotency_key=idempotency_key)
+
+
+class RaisesOnRetry(Shelf):
+    """A retry with a key it has seen raises ("already exists"): no retry ever answers."""
+
+    def perform(self, *, run_id, params, idempotency_key):
+        if idempotency_key in self.things.values():
+            raise KeyError("already exists")
+        return super().perform(run_id=run_id, params=params, idempotency_key=idempotency_key)
+
+
 @pytest.mark.parametrize(
     "shelf_class,broken",
     [
         (RefusesUnknown, [REVERT_TWICE_IS_SAFE, REVERT_OF_MISSING_IS_SUCCESS]),
         (RaisesTheSecondTime, [REVERT_TWICE_IS_SAFE]),
-        (IgnoresAnEmptyList, [REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER]),
+        (
+            IgnoresAnEmptyList,
+            [REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER, REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER],
+        ),
+        (HoldsBackWhatTheLedgerHolds, [REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER]),
+        (MakesAgainOnRetry, [PERFORM_IS_IDEMPOTENT_BY_KEY]),
+        (AnswersNothingOnRetry, [PERFORM_IS_IDEMPOTENT_BY_KEY]),
+        (RaisesOnRetry, [PERFORM_IS_IDEMPOTENT_BY_KEY]),
     ],
 )
-def test_a_broken_revert_is_named(isolated_registry, shelf_class, broken):  # contract kit, C3
+def test_a_broken_module_is_named(isolated_registry, shelf_class, broken):  # contract kit, W5, C3
     shelf = shelf_class()
     report = check_action(shelve(isolated_registry, shelf), exists=shelf.exists)
     assert report.broken == broken and not report.passed
@@ -262,12 +334,80 @@ def test_the_exception_of_a_broken_revert_is_in_the_details(isolated_registry): 
     assert "raised RuntimeError: double free" in report.details[REVERT_TWICE_IS_SAFE]
 
 
+# ── revert by key after a partly recorded answer (the in-flight issue) ──
+
+
+def test_the_recorded_part_is_asked_about_before_the_give_back_by_key(
+    isolated_registry,
+):  # contract kit, the invariant, C3
+    shelf = Shelf()
+    report = check_action(shelve(isolated_registry, shelf), {"count": 3}, exists=shelf.exists)
+    assert REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER in report.kept
+    # The ledger's order for a step whose placeholder stayed: perform answered, the
+    # recorded part is live (reconcile may ask about it), then revert by key with [].
+    keys = [key for verb, _, key in shelf.calls if verb == "perform"]
+    partly = keys[2]
+    at = shelf.calls.index(("perform", 0, partly))
+    assert shelf.calls[at + 1 : at + 3] == [("reconcile", 0, None), ("revert", 0, partly)]
+
+
+@pytest.mark.parametrize(
+    "probe,why",
+    [
+        (True, "what the perform whose answer was partly recorded made is still there"),
+        (False, "reconcile still lists what the perform whose answer was partly recorded made"),
+    ],
+)
+def test_a_module_that_holds_back_what_the_ledger_holds_is_named(
+    isolated_registry, probe, why
+):  # contract kit, the invariant, C3
+    shelf = HoldsBackWhatTheLedgerHolds()
+    report = check_action(shelve(isolated_registry, shelf), exists=shelf.exists if probe else None)
+    assert report.broken == [REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER]
+    assert why in report.details[REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER]
+    assert shelf.things == {}  # given back by the reported refs afterwards
+
+
+# ── a second perform with the same key ──
+
+
+@pytest.mark.parametrize(
+    "shelf_class,why",
+    [
+        (MakesAgainOnRetry, "a retried step would make it twice"),
+        (AnswersNothingOnRetry, "would never be given back"),
+        (RaisesOnRetry, "raised KeyError"),
+    ],
+)
+def test_a_perform_that_is_not_idempotent_by_key_says_how(
+    isolated_registry, shelf_class, why
+):  # contract kit, W5
+    shelf = shelf_class()
+    report = check_action(shelve(isolated_registry, shelf), exists=shelf.exists)
+    assert why in report.details[PERFORM_IS_IDEMPOTENT_BY_KEY]
+    assert shelf.things == {}  # both calls' things given back, by key
+
+
+def test_the_union_is_not_looked_for_when_revert_by_key_is_broken_already(
+    isolated_registry,
+):  # contract kit
+    shelf = IgnoresAnEmptyList()
+    report = check_action(shelve(isolated_registry, shelf), exists=shelf.exists)
+    # One fault, named where it is: the idempotency promise is kept, its by-key part not read.
+    assert PERFORM_IS_IDEMPOTENT_BY_KEY in report.kept
+    assert "is broken already" in report.skipped[PERFORM_IS_IDEMPOTENT_BY_KEY]
+    assert shelf.things == {}  # given back by the reported refs instead
+
+
 def test_a_lost_spawn_left_behind_is_seen_through_reconcile_without_a_probe(
     isolated_registry,
 ):  # contract kit
     shelf = IgnoresAnEmptyList()
     report = check_action(shelve(isolated_registry, shelf))
-    assert report.broken == [REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER]
+    assert report.broken == [
+        REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER,
+        REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER,
+    ]
     assert "reconcile still lists" in report.details[REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER]
     assert shelf.things == {}  # given back by the reported resources afterwards
 
@@ -279,7 +419,12 @@ def test_with_neither_probe_nor_reconcile_the_lost_spawn_part_is_skipped(
     report = check_action(shelve(isolated_registry, shelf, reconcile=None))
     # The answer was checked (ok), whether anything came back could not be: said, not hidden.
     assert report.broken == [] and REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER in report.kept
-    assert "exists=" in report.skipped[REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER]
+    for name in (
+        REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER,
+        REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER,
+        PERFORM_IS_IDEMPOTENT_BY_KEY,
+    ):
+        assert name in report.kept and "exists=" in report.skipped[name]
     assert report.skipped[RECONCILE_LISTS_WHAT_IS_IN_FORCE] == "the action declares no reconcile"
     assert "declares no reconcile" in report.details[RECONCILE_ANSWERS_ENVELOPE_OR_NOTHING]
     assert "not checked" in str(report)
@@ -315,6 +460,7 @@ def test_a_reconcile_that_forgets_live_resources_is_named_and_not_trusted(
     assert "orphaned" in report.details[RECONCILE_LISTS_WHAT_IS_IN_FORCE]
     # Its silence proves nothing, so the lost spawn left behind is not declared gone.
     assert REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER in report.skipped
+    assert REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER in report.skipped
 
 
 @pytest.mark.parametrize(
@@ -355,7 +501,12 @@ def test_a_hanging_perform_is_a_broken_promise_not_a_hung_suite(isolated_registr
     assert time.monotonic() - started < 1.5
     assert report.broken == [PERFORM_ANSWERS_ENVELOPE]
     assert "did not answer within 0.15s" in report.details[PERFORM_ANSWERS_ENVELOPE]
-    assert "budget" in report.skipped[REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER]
+    for name in (
+        REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER,
+        REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER,
+        PERFORM_IS_IDEMPOTENT_BY_KEY,
+    ):
+        assert "budget" in report.skipped[name]  # a hung perform is called once, not again
 
 
 def test_a_revert_that_hangs_on_an_empty_list_is_named(isolated_registry):  # contract kit
@@ -372,7 +523,10 @@ def test_a_revert_that_hangs_on_an_empty_list_is_named(isolated_registry):  # co
         exists=shelf.exists,
     )
     assert time.monotonic() - started < 1.5
-    assert report.broken == [REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER]
+    assert report.broken == [
+        REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER,
+        REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER,
+    ]
     assert "did not answer within" in report.details[REVERT_BY_KEY_GIVES_BACK_LOST_ANSWER]
     assert shelf.things == {}  # what the lost perform made was given back by its refs
 
