@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -124,3 +125,48 @@ def all_given_back(runs: list[EventRun]) -> bool:
 def age_step_claims(run: EventRun) -> None:
     """The claim as a dead worker leaves it: nobody stamps it any more, and the TTL passed."""
     EventRunStep.objects.filter(run=run).update(claimed_at=datetime(2000, 1, 1, tzinfo=UTC))
+
+
+class Gate:
+    """Holds a module's call inside the world until the test opens it, and counts how
+    many calls were inside at once."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+        self.inside = 0
+        self.most_inside = 0
+        self._lock = threading.Lock()
+
+    def pass_through(self) -> None:
+        with self._lock:
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+        self.entered.set()
+        try:
+            assert self.opened.wait(PATIENCE_S), "the test never opened the gate"
+        finally:
+            with self._lock:
+                self.inside -= 1
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run ``fn`` in a daemon thread; its answer (or what it raised) lands in the box."""
+    from django.db import connections
+
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box

@@ -11,7 +11,6 @@ import json
 import math
 import secrets
 import subprocess
-import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -25,36 +24,11 @@ from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from project.world import world as w
 from project.world.models import Call, Creature, RegionSetting
-from tests.helpers import PATIENCE_S, new_run, new_step, wait_until
+from tests.helpers import PATIENCE_S, Gate, in_thread, new_run, new_step, wait_until
 from tests.processes import spawn
 
 Res = EventRunResource.objects
 world_db = pytest.mark.django_db(transaction=True)
-
-
-class Gate:
-    """Holds a module's call inside the world until the test opens it."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.opened = threading.Event()
-        self.inside = 0
-        self.most_inside = 0
-        self._lock = threading.Lock()
-
-    def pass_through(self) -> None:
-        with self._lock:
-            self.inside += 1
-            self.most_inside = max(self.most_inside, self.inside)
-        self.entered.set()
-        try:
-            assert self.opened.wait(PATIENCE_S), "the test never opened the gate"
-        finally:
-            with self._lock:
-                self.inside -= 1
-
-    def open(self) -> None:
-        self.opened.set()
 
 
 def gated_spawn(gate: Gate, look_first: bool = False) -> Callable[..., Any]:
@@ -93,20 +67,6 @@ def register_spawn(registry: Any, perform: Callable[..., Any], budget_ms: int) -
     )
     registry.register_action(action)
     return action
-
-
-def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, box
 
 
 def settled(step: EventRunStep) -> bool:
