@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -347,36 +348,10 @@ def _cleanup(
             released=any(r.status in ("orphaned", "drifted") for r in group.rows),
             step_ttl=step_ttl,
         )
-        for pk in claim.collided:
-            holder = Res.note_collision(pk)
-            summary.failed += 1
-            log.add(
-                "cleanup.collision",
-                {"resource": pk, "held_by_run": holder.run_id if holder else None},
-            )
-        if not claim.rows:
-            continue
-        rows = claim.rows
-        poisoned = [r for r in rows if r.claim_count >= max_claims]
-        if poisoned:
-            # Claimed this often with no verdict: its revert kills or hangs every
-            # sweeper that tries it. Fail it for good rather than loop for ever.
-            error = (
-                f"claimed {max_claims} times without a verdict: giving it back kills or "
-                "hangs the sweeper, so it was left for a human"
-            )
-            written = Res.fail_revert(
-                [r.pk for r in poisoned], error, token=claim.token, spent_claims=True
-            )
-            summary.attempted += len(poisoned)
-            summary.failed += written
-            _log_verdict(log, group, poisoned, Verdict("terminal", error))
-            rows = [r for r in rows if r.claim_count < max_claims]
-            if not rows:
-                continue
-        summary.attempted += len(rows)
-        verdict = _give_back(group, rows)
-        _apply(log, group, rows, verdict, claim.token, summary)
+        _unfinished.add(claim.token)
+        _work_group(log, group, claim, summary, max_claims)
+        # Its verdict is written (or fenced): nothing of this claim is left to hand back.
+        _unfinished.discard(claim.token)
 
     summary.cleanup_status, summary.remaining = EventRun.objects.settle_cleanup(
         run, ledger_settings.MAX_REVERT_ATTEMPTS, max_claims
@@ -396,6 +371,76 @@ def _cleanup(
             },
         )
     return summary
+
+
+def _work_group(
+    log: _LogBuffer, group: Group, claim: Any, summary: CleanupSummary, max_claims: int
+) -> None:
+    """One claimed group: collisions noted, poison rows failed, the module called once,
+    the verdict written under the claim's token."""
+    for pk in claim.collided:
+        holder = Res.note_collision(pk)
+        summary.failed += 1
+        log.add(
+            "cleanup.collision",
+            {"resource": pk, "held_by_run": holder.run_id if holder else None},
+        )
+    if not claim.rows:
+        return
+    rows = claim.rows
+    poisoned = [r for r in rows if r.claim_count >= max_claims]
+    if poisoned:
+        # Claimed this often with no verdict: its revert kills or hangs every
+        # sweeper that tries it. Fail it for good rather than loop for ever.
+        error = (
+            f"claimed {max_claims} times without a verdict: giving it back kills or "
+            "hangs the sweeper, so it was left for a human"
+        )
+        written = Res.fail_revert(
+            [r.pk for r in poisoned], error, token=claim.token, spent_claims=True
+        )
+        summary.attempted += len(poisoned)
+        summary.failed += written
+        _log_verdict(log, group, poisoned, Verdict("terminal", error))
+        rows = [r for r in rows if r.claim_count < max_claims]
+        if not rows:
+            return
+    summary.attempted += len(rows)
+    verdict = _give_back(group, rows)
+    _apply(log, group, rows, verdict, claim.token, summary)
+
+
+class _UnfinishedClaims:
+    """Claims this process took whose verdict was never written: the database went away
+    between the claim and the verdict. Their rows would wait out ``REVERT_CLAIM_TTL``;
+    the next pass of this process hands them back at once instead (only while the claim
+    is still its own), so a sweeper that survives a database restart finishes within a
+    pass or two after it. A claim of a process that died still waits for the TTL."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tokens: set[str] = set()
+
+    def add(self, token: str) -> None:
+        with self._lock:
+            self._tokens.add(token)
+
+    def discard(self, token: str) -> None:
+        with self._lock:
+            self._tokens.discard(token)
+
+    def hand_back(self) -> int:
+        with self._lock:
+            tokens = sorted(self._tokens)
+        if not tokens:
+            return 0
+        handed = Res.expire_claims(tokens)
+        with self._lock:
+            self._tokens.difference_update(tokens)
+        return handed
+
+
+_unfinished = _UnfinishedClaims()
 
 
 def _apply(
@@ -509,6 +554,13 @@ def _sweep(limit: int | None, should_stop: Callable[[], bool] | None) -> SweepRe
     report = SweepReport()
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
+    try:
+        handed = _unfinished.hand_back()
+        if handed:
+            logger.warning("handed back %d claim(s) a failed pass had left behind", handed)
+    except DatabaseError as exc:
+        logger.warning("could not hand back the claims of a failed pass yet", exc_info=True)
+        _drop_if_dead(exc)
     try:
         report.repaired_runs = EventRun.objects.repair_cleanup_summaries(max_attempts, max_claims)
     except DatabaseError as exc:

@@ -112,7 +112,12 @@ def is_deadlock(exc: BaseException) -> bool:
     code = err.args[0] if getattr(err, "args", None) else None
     if code in (1213, 1205):  # MySQL deadlock, lock wait timeout
         return True
-    return getattr(err, "sqlstate", None) in ("40P01", "40001")
+    if getattr(err, "sqlstate", None) in ("40P01", "40001"):
+        return True
+    # SQLite's deferred transaction that read first and then wants to write fails at
+    # once with SQLITE_BUSY when another connection writes: a deadlock by another name
+    # (no busy timeout can help), and the cure is the same, restarting the transaction.
+    return type(err).__module__.startswith("sqlite3") and "database is locked" in str(err)
 
 
 def is_connection_lost(exc: BaseException) -> bool:
@@ -187,3 +192,26 @@ def statements_retried(using: str = "default") -> Iterator[None]:
             yield
     finally:
         _retrying.conn = None
+
+
+def in_transaction(fn: Callable[[], T], *, using: str = "default", tries: int = 5) -> T:
+    """Run ``fn`` as one transaction: what must be durable at the same moment costs one
+    commit (one log flush on a durable server) instead of one per statement.
+
+    A deadlock victim (or a write Galera's certification refused at COMMIT) has had its
+    whole transaction rolled back: it is run again from the start, which is the retry at
+    the transaction boundary. Inside a caller's transaction it is a savepoint, and the
+    caller's transaction, which the deadlock rolled back, is the caller's to retry.
+    Never put a module call inside ``fn``: a transaction must stay short.
+    """
+    conn = connections[using]
+    outer = conn.in_atomic_block
+    for attempt in range(tries):
+        try:
+            with transaction.atomic(using=using):
+                return fn()
+        except (DatabaseError, IntegrityError) as exc:
+            if outer or not is_deadlock(exc) or attempt == tries - 1:
+                raise
+            time.sleep(0.005 * (attempt + 1))
+    raise AssertionError("unreachable")

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from django.db import connection
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from .conf import ledger_settings
-from .db import bounded, retrying_deadlocks, statements_retried, storable, storable_json
+from .db import bounded, in_transaction, statements_retried, storable, storable_json
 from .deadline import CallResult, call_with_deadline
 from .envelopes import describe, is_success
 from .inflight import keeper, process_name
@@ -178,7 +180,8 @@ def mark_run_dirty(run: Any) -> bool:
 
 
 def reserve_step(run: Any, step: EventRunStep, action: Action) -> int | None:
-    """W2: the ``@step`` placeholder of a ``ledger`` action, written before dispatch.
+    """W2: the ``@step`` placeholder of a ``ledger`` action, written before dispatch,
+    and the run marked dirty.
 
     Keyed by the step's idempotency key, which never changes across retries: finding
     it already there means this step's earlier attempt wrote it, and it is reused.
@@ -186,27 +189,20 @@ def reserve_step(run: Any, step: EventRunStep, action: Action) -> int | None:
     if action.reversible != "ledger":
         return None
     run_id = getattr(run, "pk", run)
-    answer = EventRunResource.objects.reserve(
-        run_id,
+    mark_run_dirty(run_id)
+    return _reserve_placeholder(run_id, step, action)
+
+
+def _reserve_placeholder(run: Any, step: EventRunStep, action: Action) -> int | None:
+    if action.reversible != "ledger":
+        return None
+    return EventRunResource.objects.reserve_placeholder(
+        getattr(run, "pk", run),
         step,
-        owner=action.owner,
-        kind=STEP_KIND,
-        ref=step.idempotency_key,
-        payload={"action": action.id, "phase": step.phase, "seq": step.seq},
+        action.owner,
+        step.idempotency_key,
+        {"action": action.id, "phase": step.phase, "seq": step.seq},
     )
-    if answer.ok:
-        # cleanup_status never returns to not_required, so a run read as already dirty
-        # (or cleaned) needs no UPDATE; an id alone is always marked.
-        if getattr(run, "cleanup_status", "not_required") == "not_required":
-            mark_run_dirty(run_id)
-        return answer.id
-    existing = (
-        EventRunResource.objects.find_by_target(action.owner, STEP_KIND, step.idempotency_key)
-        .filter(run_id=run_id)
-        .values_list("pk", flat=True)
-        .first()
-    )
-    return existing
 
 
 # ── W3 ──
@@ -224,6 +220,8 @@ class RecordResult:
     complete: bool = False
     #: The placeholder was found already given back (the answer came after cleanup).
     late_for_cleanup: bool = False
+    #: Rows went in that no placeholder stood for: the run must be marked dirty.
+    needs_dirty: bool = False
 
 
 def record_answer(
@@ -236,16 +234,53 @@ def record_answer(
     """W3: record what a module says it made, and resolve the placeholder. Never raises.
 
     A step that changed the world has changed it; a ledger that raised here would turn
-    bookkeeping into a failed step and then into a retried world write. The cost is a
-    fixed number of statements whatever the answer's size: one multi-row INSERT of
-    confirmed rows that lets the unique key skip what is already held, and, only when
-    something was skipped, one SELECT naming the holders.
+    bookkeeping into a failed step and then into a retried world write. The cost is one
+    transaction with a fixed number of statements whatever the answer's size: one
+    multi-row INSERT of confirmed rows that lets the unique key skip what is already
+    held, and, only when something was skipped, one SELECT naming the holders.
 
     The placeholder is resolved only when the whole answer is on the ledger: every
     entry recorded, or held already by this run. A refused entry, a target held by
     another run, a failed write: each keeps it pending, and cleanup then asks the
     module for everything the step's key made, not only the rows recorded here.
     """
+    try:
+        out = in_transaction(lambda: _record(run, step, action, placeholder_id, resources))
+    except Exception as exc:  # bookkeeping must not become the step's control flow
+        return _recording_failed(run, step, exc)
+    _dirty_after(run, out)
+    return out
+
+
+def _dirty_after(run: Any, out: RecordResult) -> None:
+    """Rows recorded where no placeholder stood for them (none, or given back already by
+    a cleanup whose claim on the step had gone stale) are new to the run's summary,
+    which may say "complete": mark it dirty, after the rows' commit, in a statement of
+    its own (inside the transaction it would take the run's row after a shared lock,
+    the deadlock ``reserve_step`` avoids). The sweep's repair is the second net (W4)."""
+    if not out.needs_dirty:
+        return
+    try:
+        mark_run_dirty(getattr(run, "pk", run))
+    except Exception:
+        logger.exception("marking run %s dirty failed; the sweep's repair will", run)
+
+
+def _recording_failed(run: Any, step: EventRunStep, exc: BaseException) -> RecordResult:
+    logger.exception("run %s step %s: recording failed", getattr(run, "pk", run), step.pk)
+    # Rolled back whole: nothing of the answer is on the ledger, and the placeholder
+    # stays pending (rule 1): cleanup gives back everything the step's key made.
+    return RecordResult(rejected=[f"recording failed: {type(exc).__name__}: {storable(exc)}"])
+
+
+def _record(
+    run: Any,
+    step: EventRunStep,
+    action: Action,
+    placeholder_id: int | None,
+    resources: Any,
+) -> RecordResult:
+    """W3's statements, raising on a database error (inside the caller's transaction)."""
     out = RecordResult()
     if action.reversible not in LEDGERED:
         out.complete = True
@@ -278,57 +313,37 @@ def record_answer(
             len(out.rejected),
             "; ".join(bounded(out.rejected, 3)),
         )
-    try:
-        if rows:
-            out.recorded = _insert(run_id, step, action.owner, list(rows.values()))
-            # Held by this run (this step's earlier attempt, or another of its steps):
-            # already recorded, skipped silently. Held by another run: said, by its id.
-            # When every target went in, nobody else holds any: no need to ask.
-            if out.recorded < len(rows):
-                holders = EventRunResource.objects.holders(action.owner, rows)
-                for kind, ref in sorted(rows):
-                    holder = holders.get((kind, ref))
-                    if holder is None:
-                        # Skipped by the unique key, and its holder let go since: this
-                        # run's ledger does not have it.
-                        out.rejected.append(f"{kind} {ref!r} was not recorded (its holder let go)")
-                    elif holder.run_id != run_id:
-                        out.rejected.append(
-                            f"{kind} {ref!r} is already held by run {holder.run_id}"
-                        )
-    except Exception as exc:  # bookkeeping must not become the step's control flow
-        logger.exception("run %s step %s: recording failed", run_id, step.pk)
-        out.rejected.append(f"recording failed: {type(exc).__name__}: {storable(exc)}")
-        # The placeholder stays: rule 1, cleanup reverts the step by its key.
-        return out
+    if rows:
+        out.recorded = _insert(run_id, step, action.owner, list(rows.values()))
+        # Held by this run (this step's earlier attempt, or another of its steps):
+        # already recorded, skipped silently. Held by another run: said, by its id.
+        # When every target went in, nobody else holds any: no need to ask.
+        if out.recorded < len(rows):
+            holders = EventRunResource.objects.holders(action.owner, rows)
+            for kind, ref in sorted(rows):
+                holder = holders.get((kind, ref))
+                if holder is None:
+                    # Skipped by the unique key, and its holder let go since: this
+                    # run's ledger does not have it.
+                    out.rejected.append(f"{kind} {ref!r} was not recorded (its holder let go)")
+                elif holder.run_id != run_id:
+                    out.rejected.append(f"{kind} {ref!r} is already held by run {holder.run_id}")
     if out.rejected:
         return out
     out.complete = True
-    try:
-        # Resolved even when the module reported nothing: "ok, I made nothing" is an
-        # answer, and an open placeholder would call revert() for this step at the end.
-        resolved = bool(placeholder_id) and EventRunResource.objects.resolve_placeholder(
-            placeholder_id
-        )
-        if out.recorded and not resolved:
-            # No placeholder marked the run dirty, or cleanup gave it back already
-            # (its claim had gone stale): these rows are new to a summary that may say
-            # "complete". (W4; the sweep's repair is the second net.)
-            out.late_for_cleanup = bool(placeholder_id)
-            mark_run_dirty(run_id)
-    except Exception as exc:
-        logger.exception("run %s step %s: resolving the placeholder failed", run_id, step.pk)
-        out.complete = False
-        out.rejected.append(f"resolving the placeholder failed: {storable(exc)}")
+    # Resolved even when the module reported nothing: "ok, I made nothing" is an
+    # answer, and an open placeholder would call revert() for this step at the end.
+    resolved = bool(placeholder_id) and EventRunResource.objects.resolve_placeholder(placeholder_id)
+    if out.recorded and not resolved:
+        out.late_for_cleanup = bool(placeholder_id)
+        out.needs_dirty = True
     return out
 
 
 def _insert(run_id: int, step: EventRunStep, owner: str, rows: list[dict[str, Any]]) -> int:
     # The unique key decides: a target already held (by this step's earlier attempt,
     # or by anyone) is skipped by the database, never checked first.
-    return retrying_deadlocks(
-        lambda: EventRunResource.objects.bulk_record(run_id, step, owner, rows)
-    )
+    return EventRunResource.objects.bulk_record(run_id, step, owner, rows)
 
 
 # ── W5, W6 ──
@@ -366,57 +381,96 @@ def execute_step(step_or_id: EventRunStep | int) -> StepResult:
         return _claim_and_execute(step_id)
 
 
+@dataclass
+class _Begun:
+    """A step claimed, checked and (for a ``ledger`` action) reserved: ready to call."""
+
+    token: str
+    step: EventRunStep
+    run: EventRun
+    action: Action
+    placeholder_id: int | None
+
+
 def _claim_and_execute(step_id: int) -> StepResult:
-    token = EventRunStep.objects.claim(step_id, by=process_name())
-    if token is None:
-        return StepResult("busy", error="another call of this step holds its claim")
-    keeper.hold(token, step_id)
+    # Durable moment 1 (rule 1): the claim and the placeholder with its dirty mark (or
+    # the verdict of a step that may not run) commit together, before any module call.
+    begun = in_transaction(lambda: _begin(step_id))
+    if isinstance(begun, StepResult):
+        return begun
+    keeper.hold(begun.token, step_id)
     handed_over = False
     try:
-        result, handed_over = _execute(step_id, token)
+        result, handed_over = _call(begun)
         return result
     finally:
         if not handed_over:
-            keeper.release(token)
+            keeper.release(begun.token)
 
 
-def _execute(step_id: int, token: str) -> tuple[StepResult, bool]:
-    """Answers the result, and whether the claim was handed to a call still running."""
-    step: EventRunStep = EventRunStep.objects.select_related("run").get(pk=step_id)
+def _begin(step_id: int) -> _Begun | StepResult:
+    step = EventRunStep.objects.select_related("run").filter(pk=step_id).first()
+    if step is None:
+        raise EventRunStep.DoesNotExist(f"there is no step {step_id}")
     run = step.run
+    action = registry.action(step.action_id)
+    if (
+        action is not None
+        and action.reversible in LEDGERED
+        and run.cleanup_status in ("not_required", "complete")
+        and run.status not in EventRun.TERMINAL
+    ):
+        # The run's row first, before the claim: on MariaDB, updating the step's status
+        # reads the run's row under a shared lock (the foreign key's index holds the
+        # status), and a write to the run after that deadlocks with a host's own UPDATE
+        # of the run, such as cancelling it, which would be the one to fail.
+        mark_run_dirty(run.pk)
+    token = EventRunStep.objects.claim(step_id, by=process_name())
+    if token is None:
+        return StepResult("busy", error="another call of this step holds its claim")
+    # As the claim just wrote it (read before the claim, in the same transaction).
+    step.status, step.claim_token, step.attempts = "running", token, step.attempts + 1
     max_attempts = ledger_settings.MAX_STEP_ATTEMPTS
     if step.attempts > max_attempts:
         # Claimed again after attempts whose outcome never got written (a worker died
         # each time): the bound holds all the same.
         error = f"tried {step.attempts - 1} times without a written outcome; not performed again"
-        return _settle(step, token, StepResult("failed", error=error)), False
+        return _settle(step, token, StepResult("failed", error=error))
     if run.status in EventRun.TERMINAL:
         error = f"run {run.pk} is {run.status}; not performed"
-        return _settle(step, token, StepResult("failed", error=error)), False
-    action = registry.action(step.action_id)
+        return _settle(step, token, StepResult("failed", error=error))
     if action is None:
         error = f"no module registers the action {step.action_id!r}"
-        return _settle(step, token, StepResult("failed", error=error)), False
-    if action.id == LEASE_ACTION_ID:
-        return _take_lease(run, step, token)
-    if not callable(action.perform):
+        return _settle(step, token, StepResult("failed", error=error))
+    if action.id != LEASE_ACTION_ID and not callable(action.perform):
         error = f"{action.id} declares no perform()"
-        return _settle(step, token, StepResult("failed", error=error)), False
+        return _settle(step, token, StepResult("failed", error=error))
+    placeholder_id = (
+        None if action.id == LEASE_ACTION_ID else _reserve_placeholder(run, step, action)
+    )
+    return _Begun(token, step, run, action, placeholder_id)
 
-    perform = action.perform
-    placeholder_id = reserve_step(run, step, action)
+
+def _call(b: _Begun) -> tuple[StepResult, bool]:
+    """Call the module; answers the result, and whether the claim was handed to a call
+    still running."""
+    if b.action.id == LEASE_ACTION_ID:
+        return _take_lease(b.run, b.step, b.token)
+    perform = b.action.perform
+    assert perform is not None
+    step, run = b.step, b.run
 
     def late(call: CallResult) -> None:
         try:
             with statements_retried():
-                _settle(step, token, _outcome(run, step, action, placeholder_id, call), late=True)
+                _finish(b, call, late=True)
         finally:
-            keeper.release(token)
+            keeper.release(b.token)
 
     call = call_with_deadline(
         lambda: perform(run_id=run.pk, params=step.params, idempotency_key=step.idempotency_key),
-        action.budget_ms / 1000,
-        action.id,
+        b.action.budget_ms / 1000,
+        b.action.id,
         late=late,
     )
     if call.timed_out:
@@ -426,18 +480,42 @@ def _execute(step_id: int, token: str) -> tuple[StepResult, bool]:
         )
         _log_step(step, StepResult("overdue", error=error))
         return StepResult("overdue", error=error), True
-    return _settle(step, token, _outcome(run, step, action, placeholder_id, call)), False
+    return _finish(b, call), False
 
 
-def _outcome(
-    run: EventRun, step: EventRunStep, action: Action, placeholder_id: int | None, call: CallResult
-) -> StepResult:
+def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
+    """Durable moment 2: the answer's rows, the placeholder's resolution, the step's
+    outcome and its log line commit together. When that transaction fails, nothing of
+    the answer is on the ledger, the placeholder stays, and the outcome is written alone."""
+    recorded: list[RecordResult] = []
+
+    def record(*args: Any) -> RecordResult:
+        recorded.append(_record(*args))
+        return recorded[-1]
+
+    try:
+        result = in_transaction(
+            lambda: _settle(b.step, b.token, _outcome(b, call, record), late=late)
+        )
+    except Exception as exc:
+        failure = _recording_failed(b.run, b.step, exc)
+
+        def unrecorded(*args: Any) -> RecordResult:
+            return failure
+
+        return _settle(b.step, b.token, _outcome(b, call, unrecorded), late=late)
+    if recorded:
+        _dirty_after(b.run, recorded[-1])
+    return result
+
+
+def _outcome(b: _Begun, call: CallResult, record: Callable[..., RecordResult]) -> StepResult:
     if call.error is not None:
         return StepResult("retry", error=call.message)
     answer = call.value
     if not is_success(answer):
-        return _failure(action.id, answer)
-    recorded = record_answer(run, step, action, placeholder_id, answer.get("resources"))
+        return _failure(b.action.id, answer)
+    recorded = record(b.run, b.step, b.action, b.placeholder_id, answer.get("resources"))
     result = StepResult("done", recorded.recorded, recorded.rejected)
     if not recorded.complete:
         result.error = (
@@ -472,6 +550,8 @@ def _settle(
     try:
         written = EventRunStep.objects.settle(step, token, status, error)
     except Exception:
+        if connection.in_atomic_block:
+            raise  # the transaction's owner writes the outcome alone (see _finish)
         # The outcome must land, or the step stays `running` and the attempt bound is
         # reached only through stale claims: write it again without the module's text.
         logger.exception("step %s: writing its outcome failed; writing it plainly", step.pk)
@@ -507,6 +587,8 @@ def _log_step(step: EventRunStep, result: StepResult, *, late: bool = False) -> 
             ),
         )
     except Exception:  # the step's outcome is written; its log line must not undo that
+        if connection.in_atomic_block:
+            raise  # a swallowed error would leave the transaction broken, not committed
         logger.exception("step %s: writing its log entry failed", step.pk)
 
 

@@ -11,7 +11,7 @@ import json
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from .models import EventRun, EventRunLog, EventRunResource
 
 ERROR_LIMIT = 500
+#: A stamp older than any TTL: a claim stamped with it is stale at once.
+LONG_AGO = datetime(2000, 1, 1, tzinfo=UTC)
 DEFAULT_REVERT_ERROR = "the revert did not succeed and gave no reason"
 RELEASED_UNCLEAN = ("orphaned", "drifted")
 _UNSET: Any = object()
@@ -344,8 +346,34 @@ class EventRunResourceQuerySet(models.QuerySet):
         errors (a too-long value) into warnings, which is safe only because
         ``ledger.normalise`` has refused every such value before this is called.
         """
+        return self._insert_ignoring_held(run, step, owner, rows, "confirmed")[0]
+
+    def reserve_placeholder(
+        self, run: Any, step: Any, owner: str, key: str, payload: Mapping[str, Any]
+    ) -> int | None:
+        """R1 for a step's own ``@step`` row, in one statement and no savepoint (so it can
+        share the step's first transaction): a ``pending`` row keyed by the step's
+        idempotency key, or the one this step's earlier attempt wrote. Answers its id."""
+        inserted, new_id = self._insert_ignoring_held(
+            run, step, owner, [{"kind": STEP_KIND, "ref": key, "payload": payload}], "pending"
+        )
+        if inserted:
+            return new_id
+        return (
+            self.filter(owner_module=owner, kind=STEP_KIND, ref=key, run=_pk(run))
+            .order_by("-pk")
+            .values_list("pk", flat=True)
+            .first()
+        )
+
+    def _insert_ignoring_held(
+        self, run: Any, step: Any, owner: str, rows: Sequence[Mapping[str, Any]], status: str
+    ) -> tuple[int, int | None]:
+        """One multi-row INSERT (per chunk) that the unique key may skip row by row.
+        Answers how many rows went in, and the id of the last one when one row was asked
+        for."""
         if not rows:
-            return 0
+            return 0, None
         from django.core.serializers.json import DjangoJSONEncoder
         from django.db import connections
         from django.utils import timezone
@@ -373,6 +401,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         # itself (whole numbers, a fixed status); only the module's values are escaped.
         run_id, step_id = int(_pk(run)), (None if step is None else int(_pk(step)))
         fixed = f"{run_id}, {'NULL' if step_id is None else step_id}"
+        assert status in ("pending", "confirmed")
         values = []
         for row in rows:
             payload = row.get("payload")
@@ -388,26 +417,39 @@ class EventRunResourceQuerySet(models.QuerySet):
                     now,
                 )
             )
+        one = len(values) == 1
+        returning = ""
         if conn.vendor == "mysql":
             head, tail = "INSERT IGNORE INTO", ""
         elif conn.vendor == "sqlite":
             head, tail = "INSERT OR IGNORE INTO", ""
+            returning = " RETURNING id" if one else ""
         else:
             head, tail = "INSERT INTO", " ON CONFLICT DO NOTHING"
-        per_row = f"({fixed}, %s, %s, %s, %s, %s, %s, 'confirmed', 0, 0, %s, %s)"
+            returning = " RETURNING id" if one else ""
+        per_row = f"({fixed}, %s, %s, %s, %s, %s, %s, '{status}', 0, 0, %s, %s)"
         chunk = max(1, 999 // 8) if conn.vendor == "sqlite" else 1000
         names = ", ".join(ops.quote_name(c) for c in columns)
-        inserted = 0
+        inserted, last_id = 0, None
         with conn.cursor() as cursor:
             for start in range(0, len(values), chunk):
                 part = values[start : start + chunk]
                 cursor.execute(
-                    f"{head} {table} ({names}) VALUES {', '.join([per_row] * len(part))}{tail}",
+                    f"{head} {table} ({names}) VALUES {', '.join([per_row] * len(part))}"
+                    f"{tail}{returning}",
                     [v for row in part for v in (*row, row[-1])],
                 )
+                if returning:
+                    found = cursor.fetchone()
+                    last_id = found[0] if found else None
+                    inserted += 1 if found else 0
+                    continue
                 # Rows inserted; the ones the unique key skipped count 0 on every backend.
-                inserted += max(cursor.rowcount, 0)
-        return inserted
+                count = max(cursor.rowcount, 0)
+                inserted += count
+                if one and count:
+                    last_id = cursor.lastrowid
+        return inserted, last_id
 
     def held_by(self, owner: str, kind: str, ref: str) -> Holder | None:
         found = (
@@ -591,6 +633,14 @@ class EventRunResourceQuerySet(models.QuerySet):
                             raise
                         collided.append(pk)
         return GroupClaim(token=token, rows=self._won(token, known), collided=collided)
+
+    def expire_claims(self, tokens: Sequence[str]) -> int:
+        """Make the caller's own claims stale at once (its process knows their verdicts
+        were never written), so the next claimer need not wait out the TTL. Only rows
+        still under those claims move; a claim taken over since is someone else's."""
+        return self.filter(claim_token__in=list(tokens), status="reverting").update(
+            updated_at=LONG_AGO
+        )
 
     def _won(self, token: str, known: dict[Any, EventRunResource]) -> list[EventRunResource]:
         won = list(

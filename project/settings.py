@@ -65,6 +65,9 @@ if _db["ENGINE"].endswith("sqlite3"):
         "SQLITE_TEST_NAME", default=str(BASE_DIR.parent / ".test-db.sqlite3")
     )
     _db.setdefault("OPTIONS", {}).update({"timeout": 20})
+    # Transactions take the write lock when they begin, so they wait for one another
+    # instead of failing at once when a reader turns writer (Django 5.1+).
+    _db["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
 elif _db["ENGINE"].endswith("mysql"):
     # utf8mb4 for every text; the ledger's key columns pick their own byte-wise collation.
     _db.setdefault("OPTIONS", {}).update({"charset": "utf8mb4"})

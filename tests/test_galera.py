@@ -80,7 +80,9 @@ def test_galera_a_node_killed_mid_sweep_rejoins_and_nothing_is_lost(world, figur
     for port in ports():
         env = child_env()
         env.update(
-            LEDGER_CHILD_DB_PORT=port, EVENT_CLEANUP_RUN_BATCH="2", EVENT_REVERT_CLAIM_TTL_MS="3000"
+            LEDGER_CHILD_DB_PORT=port,
+            EVENT_CLEANUP_RUN_BATCH="2",
+            EVENT_REVERT_CLAIM_TTL_MS="20000",
         )
         loops.append(
             subprocess.Popen(

@@ -243,7 +243,11 @@ class InFlightMachine(RuleBasedStateMachine):
     def retry_step(self, which: int) -> None:  # one call of a step at a time
         step = self._step(which)
         gate = HARNESS.gates[step.key]
-        stuck_inside = HARNESS.is_inside(step.key) and not gate.opened.is_set()
+        # Only a gated call is surely still inside when the retry claims: a prompt one
+        # may end at any moment, and a retry after it is a retry, not a second call.
+        stuck_inside = (
+            step.timing != "prompt" and HARNESS.is_inside(step.key) and not gate.opened.is_set()
+        )
         box = self._execute(step)
         if stuck_inside:
             # A call is held in the world: this one must not join it.
