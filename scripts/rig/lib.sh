@@ -1,4 +1,5 @@
 # shellcheck shell=bash
+# shellcheck disable=SC2034  # the settings below are used by up and down
 # Shared helpers for scripts/rig/up and scripts/rig/down. Sourced, not run.
 
 export PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:$PATH"
@@ -16,6 +17,13 @@ export RIG_DIR
 
 RIG_USER="${RIG_USER:-rigpg}"        # non-root user that owns the PostgreSQL cluster
 RIG_MARKER="$RIG_DIR/.rig-dir"         # down only deletes directories carrying this
+# Names this rig's things outside $RIG_DIR (socket dir, user comment, policy-rc.d),
+# so that down can tell them from look-alikes made by someone else.
+RIG_ID="$(printf '%s' "$RIG_DIR" | md5sum | cut -c1-12)"
+RIG_STATE="$RIG_DIR/.rig-state"        # changes up made outside $RIG_DIR (see below)
+POLICY_RC_D=/usr/sbin/policy-rc.d
+POLICY_MARK="# written by scripts/rig/up (rig $RIG_ID); scripts/rig/down removes it"
+RIG_USER_COMMENT="scripts/rig/up (rig $RIG_ID)"
 
 MY_DIR="$RIG_DIR/mariadb"
 MY_DATA="$MY_DIR/data"
@@ -31,9 +39,24 @@ PG_LOG="$RIG_DIR/postgres.log"
 # when it is short enough, else fall back to a per-rig directory in /tmp.
 SOCK_DIR="$RIG_DIR/run"
 if [ $(( ${#SOCK_DIR} + 20 )) -gt 100 ]; then
-    SOCK_DIR="/tmp/rig-sock-$(printf '%s' "$RIG_DIR" | md5sum | cut -c1-12)"
+    SOCK_DIR="/tmp/rig-sock-$RIG_ID"
 fi
 MY_SOCK="$SOCK_DIR/mysqld.sock"
+
+# --- changes outside $RIG_DIR ---------------------------------------------------
+# up writes each change it makes outside $RIG_DIR (a system user, chmod o+x on an
+# ancestor, policy-rc.d, a /tmp socket dir, parent dirs of $RIG_DIR) to $RIG_STATE
+# BEFORE making it, so an up killed half-way still leaves down the full list.
+# One change a line, "KIND<TAB>WHAT". down undoes them newest first, and each undo
+# is harmless when the change never happened (up died between record and change).
+state_record() {  # state_record KIND WHAT
+    printf '%s\t%s\n' "$1" "$2" >>"$RIG_STATE"
+}
+state_forget() {  # state_forget KIND WHAT : up undid the change itself already
+    [ -f "$RIG_STATE" ] || return 0
+    grep -vxF -- "$(printf '%s\t%s' "$1" "$2")" "$RIG_STATE" >"$RIG_STATE.new" || true
+    mv -f -- "$RIG_STATE.new" "$RIG_STATE"
+}
 
 # --- binaries ----------------------------------------------------------------
 find_pg_bin() {
@@ -86,6 +109,28 @@ is_live() {
     local st
     st="$(sed -n 's/^[0-9]* (.*) \([A-Za-z]\) .*/\1/p' "/proc/$1/stat" 2>/dev/null)"
     [ "$st" != Z ] && [ "$st" != X ]
+}
+
+# rig_procs : pids of server processes (and their initdb/bootstrap runs) whose
+# command line names a path in this rig dir. An up killed half-way may have
+# started a server that has not written its pid file yet; down finds it here.
+rig_procs() {
+    local p pid prog arg ours
+    for p in /proc/[0-9]*; do
+        pid="${p#/proc/}"
+        [ "$pid" != "$$" ] || continue
+        ours=0; prog=""
+        while IFS= read -r -d '' arg; do
+            if [ -z "$prog" ]; then
+                prog="${arg##*/}"
+                case "$prog" in mariadbd|mysqld|postgres|postmaster|initdb|pg_ctl) ;; *) break ;; esac
+                continue
+            fi
+            case "$arg" in "$RIG_DIR"/*|*="$RIG_DIR"/*) ours=1; break ;; esac
+        done <"$p/cmdline" 2>/dev/null
+        [ "$ours" = 1 ] && is_live "$pid" && echo "$pid"
+    done
+    return 0
 }
 
 # wait_gone PID SECONDS
