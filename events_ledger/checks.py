@@ -17,6 +17,11 @@ E004 = "events_ledger.E004"  # lease without restore
 E005 = "events_ledger.E005"  # action without perform
 E006 = "events_ledger.E006"  # bad setting
 E007 = "events_ledger.E007"  # a budget as long as a claim's TTL
+E008 = "events_ledger.E008"  # an owner name longer than the ledger's column
+
+#: The ``owner_module`` column's length: a longer owner would be cut by MySQL's
+#: ``INSERT IGNORE`` (rows filed under another owner) and refused by PostgreSQL.
+MAX_OWNER = 64
 W001 = "events_ledger.W001"  # unknown setting key
 
 HINT_REVERT = "A 'ledger' action must declare revert(*, run_id, resources, idempotency_key)."
@@ -43,7 +48,22 @@ def check_registrations(app_configs: Any = None, **kwargs: Any) -> list[Any]:
             )
         if action.owner != "core" and not callable(action.perform):
             errors.append(Error(f"{where} declares no perform().", id=E005))
+        if not action.owner or len(action.owner) > MAX_OWNER:
+            errors.append(
+                Error(
+                    f"{where} needs an owner of 1–{MAX_OWNER} characters, not {action.owner!r}.",
+                    id=E008,
+                )
+            )
     for lease in registry.leases.values():
+        if not lease.owner or len(lease.owner) > MAX_OWNER:
+            errors.append(
+                Error(
+                    f"lease {lease.id!r} needs an owner of 1–{MAX_OWNER} characters, "
+                    f"not {lease.owner!r}.",
+                    id=E008,
+                )
+            )
         if not callable(lease.restore):
             errors.append(
                 Error(

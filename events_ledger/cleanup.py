@@ -348,10 +348,13 @@ def _cleanup(
             released=any(r.status in ("orphaned", "drifted") for r in group.rows),
             step_ttl=step_ttl,
         )
-        _unfinished.add(claim.token)
-        _work_group(log, group, claim, summary, max_claims)
-        # Its verdict is written (or fenced): nothing of this claim is left to hand back.
-        _unfinished.discard(claim.token)
+        try:
+            _work_group(log, group, claim, summary, max_claims)
+        except BaseException:
+            # The verdict was not written (the database went away, the process is
+            # being stopped): this process's next pass hands the claim back.
+            _unfinished.add(claim.token)
+            raise
 
     summary.cleanup_status, summary.remaining = EventRun.objects.settle_cleanup(
         run, ledger_settings.MAX_REVERT_ATTEMPTS, max_claims
@@ -457,13 +460,18 @@ def _apply(
     if verdict.outcome == "done":
         failed_refs = set(verdict.failed)
         bad = [r.pk for r in rows if r.ref in failed_refs]
+        bad_error = f"{group.what} answered ok but could not give this back"
+        unknown = sorted(failed_refs - {r.ref for r in rows})
+        if group.by_key and unknown:
+            # Asked by key, the module names things the ledger never recorded: the
+            # placeholder is all that stands for them, so it keeps the failure (rule 2).
+            bad += [r.pk for r in rows if r.kind == STEP_KIND and r.pk not in bad]
+            bad_error = f"{group.what} answered ok but could not give back {bounded(unknown, 5)}"
         good = [pk for pk in ids if pk not in bad]
         written = Res.mark_reverted(good, token=token) if good else 0
         summary.reverted += written
         if bad:
-            written_bad = Res.fail_revert(
-                bad, f"{group.what} answered ok but could not give this back", token=token
-            )
+            written_bad = Res.fail_revert(bad, bad_error, token=token)
             summary.failed += written_bad
             written += written_bad
     elif verdict.outcome == "drifted":
@@ -567,11 +575,20 @@ def _sweep(limit: int | None, should_stop: Callable[[], bool] | None) -> SweepRe
         logger.exception("repairing cleanup summaries failed; the pass goes on without it")
         report.repair_error = f"{type(exc).__name__}: {exc}"
         _drop_if_dead(exc)
+    batch = limit or ledger_settings.CLEANUP_RUN_BATCH
+    step_ttl = ledger_settings.STEP_CLAIM_TTL
+    # Runs with something to give back now first; runs that only wait for a step in
+    # flight fill what is left of the batch (they are worked to report what they wait
+    # for), so a batch's worth of hung steps never starves the runs behind them.
     runs = retrying_deadlocks(
-        lambda: Res.runs_needing_cleanup(
-            limit or ledger_settings.CLEANUP_RUN_BATCH, max_attempts, max_claims
-        )
+        lambda: Res.runs_needing_cleanup(batch, max_attempts, max_claims, step_ttl=step_ttl)
     )
+    if len(runs) < batch:
+        taken = {r.pk for r in runs}
+        waiting = retrying_deadlocks(
+            lambda: Res.runs_needing_cleanup(batch + len(runs), max_attempts, max_claims)
+        )
+        runs += [r for r in waiting if r.pk not in taken][: batch - len(runs)]
     for run in runs:
         if should_stop is not None and should_stop():
             break  # asked to stop: the run in hand is finished, the rest wait

@@ -103,7 +103,14 @@ def call_with_deadline(
 
     worker = threading.Thread(target=target, name=f"events-ledger:{what}", daemon=True)
     worker.start()
-    worker.join(budget_s)
+    try:
+        worker.join(budget_s)
+    except BaseException:
+        # Interrupted while waiting (a task queue's soft time limit, an alarm, Ctrl-C):
+        # the answer must still be recorded, by ``late``, whether the call has ended
+        # or not; the caller's claim is ``late``'s to let go.
+        _interrupted(box, lock, late, what, budget_s)
+        raise
     with lock:
         if box["state"] == "done":
             return CallResult(
@@ -117,6 +124,33 @@ def call_with_deadline(
     # part of it (killing them would fail a call that was about to answer). It closes
     # them when it ends.
     return CallResult(timed_out=True, what=what, budget_s=budget_s)
+
+
+def _interrupted(
+    box: dict[str, Any],
+    lock: threading.Lock,
+    late: Callable[[CallResult], None] | None,
+    what: str,
+    budget_s: float,
+) -> None:
+    if late is None:
+        return
+    with lock:
+        ended = box["state"] == "done"
+        if not ended:
+            box["state"] = "abandoned"  # the worker thread calls ``late`` when it ends
+    if ended:
+        result = CallResult(box.get("value"), box.get("error"), what=what, budget_s=budget_s)
+
+        def deliver() -> None:
+            try:
+                late(result)
+            except BaseException:
+                logger.exception("handling the answer of an interrupted %s failed", what)
+            finally:
+                _close_connections()
+
+        threading.Thread(target=deliver, name=f"events-ledger:{what}:late", daemon=True).start()
 
 
 def _close_connections() -> None:

@@ -279,6 +279,7 @@ def _record(
     action: Action,
     placeholder_id: int | None,
     resources: Any,
+    resolve: bool = True,
 ) -> RecordResult:
     """W3's statements, raising on a database error (inside the caller's transaction)."""
     out = RecordResult()
@@ -333,7 +334,11 @@ def _record(
     out.complete = True
     # Resolved even when the module reported nothing: "ok, I made nothing" is an
     # answer, and an open placeholder would call revert() for this step at the end.
-    resolved = bool(placeholder_id) and EventRunResource.objects.resolve_placeholder(placeholder_id)
+    resolved = (
+        bool(placeholder_id)
+        and resolve
+        and EventRunResource.objects.resolve_placeholder(placeholder_id)
+    )
     if out.recorded and not resolved:
         out.late_for_cleanup = bool(placeholder_id)
         out.needs_dirty = True
@@ -390,6 +395,8 @@ class _Begun:
     run: EventRun
     action: Action
     placeholder_id: int | None
+    #: The claim is the late handler's to let go (the call may still run).
+    handed_over: bool = False
 
 
 def _claim_and_execute(step_id: int) -> StepResult:
@@ -404,7 +411,7 @@ def _claim_and_execute(step_id: int) -> StepResult:
         result, handed_over = _call(begun)
         return result
     finally:
-        if not handed_over:
+        if not (handed_over or begun.handed_over):
             keeper.release(begun.token)
 
 
@@ -428,8 +435,10 @@ def _begin(step_id: int) -> _Begun | StepResult:
     token = EventRunStep.objects.claim(step_id, by=process_name())
     if token is None:
         return StepResult("busy", error="another call of this step holds its claim")
-    # As the claim just wrote it (read before the claim, in the same transaction).
-    step.status, step.claim_token, step.attempts = "running", token, step.attempts + 1
+    # As the claim just wrote it; the count read back, since another worker may have
+    # claimed and settled the step between the read above and this claim.
+    step.status, step.claim_token = "running", token
+    step.attempts = EventRunStep.objects.attempts_of(step_id)
     max_attempts = ledger_settings.MAX_STEP_ATTEMPTS
     if step.attempts > max_attempts:
         # Claimed again after attempts whose outcome never got written (a worker died
@@ -448,6 +457,11 @@ def _begin(step_id: int) -> _Begun | StepResult:
     placeholder_id = (
         None if action.id == LEASE_ACTION_ID else _reserve_placeholder(run, step, action)
     )
+    if placeholder_id is None and action.reversible == "ledger":
+        # The key's placeholder is held but not live: a sweeper is giving it back by
+        # key right now (the run ended as this worker read it). No call under it.
+        error = "its placeholder is being given back by a cleanup; not performed"
+        return _settle(step, token, StepResult("retry", error=error))
     return _Begun(token, step, run, action, placeholder_id)
 
 
@@ -467,12 +481,18 @@ def _call(b: _Begun) -> tuple[StepResult, bool]:
         finally:
             keeper.release(b.token)
 
-    call = call_with_deadline(
-        lambda: perform(run_id=run.pk, params=step.params, idempotency_key=step.idempotency_key),
-        b.action.budget_ms / 1000,
-        b.action.id,
-        late=late,
-    )
+    try:
+        call = call_with_deadline(
+            lambda: perform(
+                run_id=run.pk, params=step.params, idempotency_key=step.idempotency_key
+            ),
+            b.action.budget_ms / 1000,
+            b.action.id,
+            late=late,
+        )
+    except BaseException:
+        b.handed_over = True  # interrupted while waiting: ``late`` records and lets go
+        raise
     if call.timed_out:
         error = (
             f"{call.message}; the call goes on, and the step stays claimed until it ends "
@@ -489,8 +509,15 @@ def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
     the answer is on the ledger, the placeholder stays, and the outcome is written alone."""
     recorded: list[RecordResult] = []
 
-    def record(*args: Any) -> RecordResult:
-        recorded.append(_record(*args))
+    def record(
+        run: Any, step: EventRunStep, action: Action, placeholder_id: int | None, resources: Any
+    ) -> RecordResult:
+        # The step's row is locked and the claim checked first: a call whose claim was
+        # taken over (its process stalled past the TTL) still has its rows recorded
+        # (an answer is never dropped), but it must not resolve the placeholder that
+        # the newer call is running under.
+        owned = EventRunStep.objects.holds_claim(b.step, b.token)
+        recorded.append(_record(run, step, action, placeholder_id, resources, resolve=owned))
         return recorded[-1]
 
     try:
@@ -684,7 +711,14 @@ def _lease(run: EventRun, step: EventRunStep, token: str) -> StepResult:
             return StepResult("retry", error=call.message)
         if not is_success(call.value):
             return _failure(f"{lease.id}.apply", call.value)
-        EventRunResource.objects.confirm(row_id)
+        if not EventRunResource.objects.confirm(row_id):
+            # A cleanup took the reservation while the apply ran (this process stalled
+            # past the claim TTL): the value is applied, and no live row stands for it.
+            return StepResult(
+                "failed",
+                error=f"{ref} was applied after its reservation was given back; "
+                "the applied value may need a human",
+            )
         return StepResult("done", recorded=1)
 
     def late(call: CallResult) -> None:

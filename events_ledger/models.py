@@ -107,7 +107,11 @@ class EventRunStep(models.Model):
     class Meta:
         verbose_name = "event run step"
         ordering = ["run_id", "phase", "seq", "id"]
-        indexes = [models.Index(fields=["run", "status"], name="evstep_run_status_idx")]
+        indexes = [
+            models.Index(fields=["run", "status"], name="evstep_run_status_idx"),
+            # The claim keeper re-stamps its claims by token.
+            models.Index(fields=["claim_token"], name="evstep_claim_token_idx"),
+        ]
 
     def __str__(self) -> str:
         return f"step {self.pk} {self.action_id}"

@@ -209,6 +209,19 @@ class EventRunStepQuerySet(models.QuerySet):
         )
         return token if won == 1 else None
 
+    def holds_claim(self, step: Any, token: str) -> bool:
+        """Lock the step's row and answer whether the caller's claim is still the current
+        one: inside a transaction, nothing the caller writes after this can race a newer
+        claim of the same step."""
+        return (
+            self.select_for_update()
+            .filter(pk=_pk(step), claim_token=token, status="running")
+            .exists()
+        )
+
+    def attempts_of(self, step: Any) -> int:
+        return int(self.filter(pk=_pk(step)).values_list("attempts", flat=True).get())
+
     def refresh_claims(self, tokens: Sequence[str]) -> int:
         """Re-stamp the claims of calls that still run, so nobody takes them for dead."""
         if not tokens:
@@ -359,8 +372,10 @@ class EventRunResourceQuerySet(models.QuerySet):
         )
         if inserted:
             return new_id
+        # This step's earlier attempt wrote it, and it is still live. One that a sweeper
+        # is giving back (reverting) is not reused: the caller must not perform under it.
         return (
-            self.filter(owner_module=owner, kind=STEP_KIND, ref=key, run=_pk(run))
+            self.filter(owner_module=owner, kind=STEP_KIND, ref=key, run=_pk(run), status__in=LIVE)
             .order_by("-pk")
             .values_list("pk", flat=True)
             .first()
@@ -787,7 +802,11 @@ class EventRunResourceQuerySet(models.QuerySet):
     # ── R11 ──
 
     def runs_needing_cleanup(
-        self, limit: int, max_attempts: int, max_claims: int | None = None
+        self,
+        limit: int,
+        max_attempts: int,
+        max_claims: int | None = None,
+        step_ttl: timedelta | None = None,
     ) -> list[EventRun]:
         """Terminal runs with a row the sweep will still try, by id.
 
@@ -797,10 +816,16 @@ class EventRunResourceQuerySet(models.QuerySet):
         """
         from .models import EventRun
 
-        owing = self.retryable(max_attempts, max_claims).values("run_id")
+        owing = self.retryable(max_attempts, max_claims)
+        if step_ttl is not None:
+            # A run whose only retryable rows wait for a step in flight has nothing to
+            # give back yet: taking it first on every pass would starve the runs behind
+            # it once a batch's worth of steps hang.
+            steps = self.model._meta.get_field("step").related_model._default_manager
+            owing = owing.exclude(Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id"))))
         return list(
             EventRun.objects.terminal()
-            .filter(cleanup_status__in=("pending", "not_required"), pk__in=owing)
+            .filter(cleanup_status__in=("pending", "not_required"), pk__in=owing.values("run_id"))
             .order_by("pk")[:limit]
         )
 

@@ -168,8 +168,10 @@ def test_a_late_answer_after_cleanup_finished_makes_the_run_need_cleanup_again(
     gate.open()
     wait_until(lambda: settled(step), "the late answer")
     assert Creature.objects.count() == 1
-    run.refresh_from_db()
-    assert run.cleanup_status == "pending"  # the late rows made it need cleanup again
+    # The late rows make it need cleanup again (marked just after their commit).
+    wait_until(
+        lambda: EventRun.objects.get(pk=run.pk).cleanup_status == "pending", "the dirty mark"
+    )
     sweep()
     assert_world_clean_and_run_complete(run)
 
@@ -311,7 +313,8 @@ def test_a_worker_killed_between_two_chunks_loses_nothing(world, vendor):  # W3,
             probe = connections.create_connection("default")
             try:
                 wait_until(
-                    lambda: bool(_blocked_inserts(probe, vendor)), "the second chunk to block"
+                    lambda: bool(_blocked_inserts(probe, vendor, blocker_ref)),
+                    "the second chunk to block",
                 )
             finally:
                 probe.close()
@@ -333,14 +336,15 @@ def test_a_worker_killed_between_two_chunks_loses_nothing(world, vendor):  # W3,
     assert_world_clean_and_run_complete(run)
 
 
-def _blocked_inserts(probe: Any, vendor: str) -> list[Any]:
-    """Server sessions of a worker whose answer's INSERT waits on a lock."""
+def _blocked_inserts(probe: Any, vendor: str, ref: str = "") -> list[Any]:
+    """Server sessions of a worker whose answer's INSERT waits on a lock (on MySQL: the
+    chunk that names ``ref``, which only the second chunk does)."""
     table = Res.model._meta.db_table
     with probe.cursor() as c:
         if vendor == "mysql":
             c.execute(
                 "SELECT ID FROM information_schema.PROCESSLIST WHERE INFO LIKE %s",
-                [f"INSERT IGNORE INTO `{table}`%"],
+                [f"INSERT IGNORE INTO `{table}`%{ref}%"],
             )
         else:
             c.execute(
@@ -565,3 +569,109 @@ def test_an_answer_of_a_hundred_thousand_resources_is_recorded_and_given_back(
     summary = cleanup_run(run)
     assert summary.reverted == 100_000 and summary.cleanup_status == "complete"
     assert len(given_back[0]["resources"]) == 100_000
+
+
+# ── what a review found ──
+
+
+@world_db
+def test_runs_waiting_for_a_step_in_flight_do_not_starve_the_others(
+    world, isolated_registry, settings
+):  # C5, the invariant
+    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 1}
+    gate = Gate()
+    register_spawn(isolated_registry, gated_spawn(gate), budget_ms=200)
+    waiting = new_run(name="waiting")
+    step = new_step(waiting, "t.spawn", {"count": 1})
+    assert execute_step(step).outcome == "overdue"
+    EventRun.objects.transition(waiting, "cancelled", from_="running")
+    other = new_run(name="other")
+    assert execute_step(new_step(other, "world.spawn", {"count": 1})).outcome == "done"
+    EventRun.objects.transition(other, "cancelled", from_="running")
+    # The waiting run has the lower id; a batch of one still reaches the other run.
+    report = sweep()
+    assert [s.run_id for s in report.runs] == [other.pk]
+    other.refresh_from_db()
+    assert other.cleanup_status == "complete"
+    gate.open()
+    wait_until(lambda: settled(step), "the late answer")
+    sweep()
+    assert_world_clean_and_run_complete(waiting)
+
+
+@pytest.mark.django_db
+def test_a_failure_asked_by_key_for_something_unrecorded_stays_loud(isolated_registry):  # rule 2
+    from tests.helpers import ledger_action
+
+    ledger_action(isolated_registry, revert=lambda **kw: {"ok": True, "failed": ["ghost"]})
+    run = new_run(status="completed")
+    step = new_step(run, "t.make")
+    Res.create(run=run, step=step, owner_module="t", kind=STEP_KIND, ref=step.idempotency_key)
+    summary = cleanup_run(run)
+    placeholder = Res.get(run=run, kind=STEP_KIND)
+    assert placeholder.status == "confirmed" and "ghost" in placeholder.last_error
+    assert summary.failed == 1 and summary.cleanup_status == "pending"
+
+
+@pytest.mark.django_db
+def test_no_call_under_a_placeholder_a_cleanup_is_giving_back(isolated_registry):  # W2, W5
+    calls = []
+    register_spawn(isolated_registry, lambda **kw: calls.append(kw) or {"ok": True}, 5_000)
+    run = new_run()
+    step = new_step(run, "t.spawn")
+    Res.create(
+        run=run,
+        step=step,
+        owner_module="world",
+        kind=STEP_KIND,
+        ref=step.idempotency_key,
+        status="reverting",
+    )
+    result = execute_step(step)
+    assert result.outcome == "retry" and "being given back" in result.error
+    assert calls == []
+
+
+@world_db
+def test_an_interrupted_wait_still_records_the_answer(world, isolated_registry):  # W5
+    """A task queue's soft time limit (here a real SIGALRM) interrupts the wait for the
+    call: the exception reaches the caller, and the answer is recorded when it comes."""
+    import signal
+
+    from events_ledger.inflight import keeper
+
+    class SoftTimeLimit(Exception):
+        pass
+
+    def alarm(signum: int, frame: Any) -> None:
+        raise SoftTimeLimit
+
+    gate = Gate()
+    register_spawn(isolated_registry, gated_spawn(gate), budget_ms=30_000)
+    run = new_run()
+    step = new_step(run, "t.spawn", {"count": 1})
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(SoftTimeLimit):
+            execute_step(step)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    step.refresh_from_db()
+    assert step.status == "running" and step.claim_token in keeper.held()
+    gate.open()
+    wait_until(lambda: settled(step), "the answer after the interruption")
+    step.refresh_from_db()
+    assert step.status == "done" and step.claim_token not in keeper.held()
+    assert Res.filter(run=run, kind="creature", status="confirmed").count() == 1
+
+
+@pytest.mark.django_db
+def test_an_owner_longer_than_the_ledger_column_is_a_check_error(isolated_registry):  # S5
+    from events_ledger.checks import E008, check_registrations
+
+    isolated_registry.register_action(
+        Action(id="t.long", owner="o" * 65, reversible="none", perform=lambda **kw: None)
+    )
+    assert [e.id for e in check_registrations() if e.id == E008] == [E008]
