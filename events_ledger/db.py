@@ -126,6 +126,19 @@ def is_connection_lost(exc: BaseException) -> bool:
     return code in (2006, 2013)
 
 
+def _deadlock_retried(fn: Callable[[], T], retryable: Callable[[], bool], tries: int = 5) -> T:
+    """The one retry loop: ``fn`` again while the database picks it as a deadlock victim
+    and ``retryable()`` says the rolled-back work is ``fn``'s own to redo."""
+    for attempt in range(tries):
+        try:
+            return fn()
+        except (DatabaseError, IntegrityError) as exc:
+            if not retryable() or not is_deadlock(exc) or attempt == tries - 1:
+                raise
+            time.sleep(0.005 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def retrying_deadlocks(fn: Callable[[], T], *, using: str = "default", tries: int = 5) -> T:
     """Run ``fn`` (statements that are each safe on their own), retrying it when the
     database picks it as a deadlock victim.
@@ -134,23 +147,19 @@ def retrying_deadlocks(fn: Callable[[], T], *, using: str = "default", tries: in
     survives; so inside an outer transaction the error is re-raised for the owner of
     that transaction to handle, and only a call that owns its transaction retries.
     """
-    conn = connections[using]
-    outer = conn.in_atomic_block
-    for attempt in range(tries):
-        try:
-            if not outer:
-                # Autocommit: each statement is its own transaction and a failed one
-                # poisons nothing, so no BEGIN/COMMIT round trips are spent.
-                return fn()
-            # Inside the caller's transaction: a savepoint, so a refused INSERT
-            # (IntegrityError) leaves the caller's transaction usable.
-            with transaction.atomic(using=using):
-                return fn()
-        except (DatabaseError, IntegrityError) as exc:
-            if outer or not is_deadlock(exc) or attempt == tries - 1:
-                raise
-            time.sleep(0.005 * (attempt + 1))
-    raise AssertionError("unreachable")
+    outer = connections[using].in_atomic_block
+
+    def run() -> T:
+        if not outer:
+            # Autocommit: each statement is its own transaction and a failed one
+            # poisons nothing, so no BEGIN/COMMIT round trips are spent.
+            return fn()
+        # Inside the caller's transaction: a savepoint, so a refused INSERT
+        # (IntegrityError) leaves the caller's transaction usable.
+        with transaction.atomic(using=using):
+            return fn()
+
+    return _deadlock_retried(run, lambda: not outer, tries)
 
 
 _retrying = threading.local()
@@ -159,20 +168,14 @@ _retrying = threading.local()
 def _retry_statement(
     execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
 ) -> Any:
+    # Outside a transaction the statement was its own transaction, and a deadlock
+    # victim (or a write Galera's certification refused: the same error, 1213) was
+    # rolled back whole: running it again is the retry at the transaction boundary.
+    # Inside one, the transaction's owner must retry it.
     conn = context["connection"]
-    tries = 5
-    for attempt in range(tries):
-        try:
-            return execute(sql, params, many, context)
-        except (DatabaseError, IntegrityError) as exc:
-            # Outside a transaction the statement was its own transaction, and a
-            # deadlock victim (or a write Galera's certification refused: the same
-            # error, 1213) was rolled back whole: running it again is the retry at the
-            # transaction boundary. Inside one, the transaction's owner must retry it.
-            if conn.in_atomic_block or not is_deadlock(exc) or attempt == tries - 1:
-                raise
-            time.sleep(0.005 * (attempt + 1))
-    raise AssertionError("unreachable")
+    return _deadlock_retried(
+        lambda: execute(sql, params, many, context), lambda: not conn.in_atomic_block
+    )
 
 
 @contextmanager
@@ -204,14 +207,10 @@ def in_transaction(fn: Callable[[], T], *, using: str = "default", tries: int = 
     caller's transaction, which the deadlock rolled back, is the caller's to retry.
     Never put a module call inside ``fn``: a transaction must stay short.
     """
-    conn = connections[using]
-    outer = conn.in_atomic_block
-    for attempt in range(tries):
-        try:
-            with transaction.atomic(using=using):
-                return fn()
-        except (DatabaseError, IntegrityError) as exc:
-            if outer or not is_deadlock(exc) or attempt == tries - 1:
-                raise
-            time.sleep(0.005 * (attempt + 1))
-    raise AssertionError("unreachable")
+    outer = connections[using].in_atomic_block
+
+    def run() -> T:
+        with transaction.atomic(using=using):
+            return fn()
+
+    return _deadlock_retried(run, lambda: not outer, tries)

@@ -170,3 +170,40 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread, box
+
+
+class LiveRowSampler:
+    """Samples, in a thread of its own, the most live rows any one target has while
+    processes reserve and release: at most one, whatever they do."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.worst = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from django.db import connections
+
+        table = EventRunResource._meta.db_table
+        probe = connections.create_connection("default")
+        try:
+            while not self._stop.is_set():
+                with probe.cursor() as c:
+                    c.execute(
+                        f"SELECT COUNT(*) FROM {table} WHERE status IN ('pending','confirmed',"
+                        "'reverting') GROUP BY owner_module, kind, ref ORDER BY 1 DESC LIMIT 1"
+                    )
+                    row = c.fetchone()
+                self.samples += 1
+                self.worst = max(self.worst, row[0] if row else 0)
+        finally:
+            probe.close()
+
+    def __enter__(self) -> LiveRowSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(PATIENCE_S)

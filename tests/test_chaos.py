@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from project.world.models import Call, Creature
 from tests.conftest import age_rows
 from tests.helpers import (
     PATIENCE_S,
+    LiveRowSampler,
     age_step_claims,
     all_given_back,
     despawn_calls_per_creature,
@@ -176,35 +176,13 @@ def test_processes_reserving_the_same_targets_hold_one_live_row_each(vendor, fig
         procs = min(procs, 4)
     run = new_run()
     refs = [f"t{i}" for i in range(targets)]
-    samples, worst, stop = [0], [0], threading.Event()
-    table = Res.model._meta.db_table
-
-    def sample() -> None:
-        probe = connections.create_connection("default")
-        try:
-            while not stop.is_set():
-                with probe.cursor() as c:
-                    c.execute(
-                        f"SELECT COUNT(*) FROM {table} WHERE status IN ('pending','confirmed',"
-                        "'reverting') GROUP BY owner_module, kind, ref ORDER BY 1 DESC LIMIT 1"
-                    )
-                    row = c.fetchone()
-                samples[0] += 1
-                worst[0] = max(worst[0], row[0] if row else 0)
-        finally:
-            probe.close()
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with LiveRowSampler() as sampler:
         results = race(
             "reserve_release",
             [{"run_id": run.pk, "refs": refs, "seed": i, "rounds": rounds} for i in range(procs)],
             timeout=900,
         )
-    finally:
-        stop.set()
-        sampler.join(PATIENCE_S)
+    worst, samples = [sampler.worst], [sampler.samples]
     errors = [e for r in results for e in r["errors"]]
     holds = worst[0] <= 1 and not errors
     figure(

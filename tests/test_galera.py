@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
@@ -30,6 +29,7 @@ from events_ledger.models import EventRun, EventRunResource
 from project.world.models import Creature
 from tests.helpers import (
     PATIENCE_S,
+    LiveRowSampler,
     all_given_back,
     despawn_calls_per_creature,
     finished_run,
@@ -133,36 +133,14 @@ def test_galera_processes_on_three_nodes_hold_one_live_row_per_target(figure):  
     procs, targets, rounds = size(6, 16), size(100, 500), size(2, 3)
     run = new_run()
     refs = [f"t{i}" for i in range(targets)]
-    stop, worst, samples = threading.Event(), [0], [0]
-    table = Res.model._meta.db_table
-
-    def sample() -> None:
-        probe = connections.create_connection("default")
-        try:
-            while not stop.is_set():
-                with probe.cursor() as c:
-                    c.execute(
-                        f"SELECT COUNT(*) FROM {table} WHERE status IN ('pending','confirmed',"
-                        "'reverting') GROUP BY owner_module, kind, ref ORDER BY 1 DESC LIMIT 1"
-                    )
-                    row = c.fetchone()
-                samples[0] += 1
-                worst[0] = max(worst[0], row[0] if row else 0)
-        finally:
-            probe.close()
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with LiveRowSampler() as sampler:
         results = race(
             "reserve_release",
             [{"run_id": run.pk, "refs": refs, "seed": i, "rounds": rounds} for i in range(procs)],
             timeout=900,
             ports=ports(),
         )
-    finally:
-        stop.set()
-        sampler.join(PATIENCE_S)
+    worst, samples = [sampler.worst], [sampler.samples]
     errors = [e for r in results for e in r["errors"]]
     holds = worst[0] <= 1 and not errors
     figure(
