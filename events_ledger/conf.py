@@ -17,6 +17,9 @@ DEFAULTS: dict[str, Any] = {
     "MAX_CLAIMS_WITHOUT_VERDICT": 5,
     "CLEANUP_RUN_BATCH": 10,
     "CLEANUP_GROUPS_PER_RUN": 25,
+    # How many module calls (revert, restore, reconcile) one pass makes at once; each
+    # under its own deadline. 1 calls them one after the other.
+    "CLEANUP_CONCURRENCY": 8,
     "DEFAULT_REVERT_BUDGET": timedelta(seconds=10),
     # How often a step is tried before it is failed for good.
     "MAX_STEP_ATTEMPTS": 3,
@@ -32,6 +35,7 @@ _POSITIVE_INTS = {
     "MAX_CLAIMS_WITHOUT_VERDICT",
     "CLEANUP_RUN_BATCH",
     "CLEANUP_GROUPS_PER_RUN",
+    "CLEANUP_CONCURRENCY",
     "MAX_STEP_ATTEMPTS",
 }
 
