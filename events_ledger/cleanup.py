@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -15,15 +15,17 @@ from django.db.models import Exists, OuterRef
 from .conf import ledger_settings
 from .db import (
     bounded,
+    in_transaction,
     is_connection_lost,
     retrying_deadlocks,
     statements_retried,
     storable,
     storable_json,
 )
-from .deadline import call_with_deadline
+from .deadline import CallResult, call_all, call_with_deadline
 from .envelopes import Verdict, classify_revert, describe
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
+from .registry import Action
 from .registry import default_registry as registry
 
 logger = logging.getLogger("events_ledger")
@@ -64,6 +66,10 @@ class Group:
     #: The step that made these rows is in flight (a call of it may still change the
     #: world): who holds it and since when. Cleanup waits for it.
     waiting_for: dict[str, Any] | None = None
+
+    @property
+    def run_id(self) -> int:
+        return self.rows[0].run_id
 
     @property
     def by_key(self) -> bool:
@@ -161,21 +167,28 @@ def _waiting_for(step_id: Any, step: tuple[Any, ...] | None) -> dict[str, Any] |
     }
 
 
-def _groups_for(run: EventRun, human: bool) -> list[Group]:
-    rows = Res.unresolved_for_run(
-        run,
+def _groups_for(runs: Sequence[EventRun], human: bool) -> list[Group]:
+    """The groups a pass gives back, for every run of its batch: one read of the rows,
+    one of their steps, then at most ``CLEANUP_GROUPS_PER_RUN`` groups per run."""
+    rows = Res.unresolved_for_runs(
+        runs,
         max_attempts=None if human else ledger_settings.MAX_REVERT_ATTEMPTS,
         max_claims=None if human else ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
     )
-    return group_rows(rows, ledger_settings.STEP_CLAIM_TTL)[
-        : ledger_settings.CLEANUP_GROUPS_PER_RUN
-    ]
+    cap = ledger_settings.CLEANUP_GROUPS_PER_RUN
+    taken: dict[int, int] = {}
+    groups = []
+    for group in group_rows(rows, ledger_settings.STEP_CLAIM_TTL):
+        n = taken.get(group.run_id, 0)
+        if n < cap:
+            taken[group.run_id] = n + 1
+            groups.append(group)
+    return groups
 
 
 def plan_run(run: EventRun | int, reset_attempts: bool = False) -> list[Group]:
     """What a cleanup of this run would ask for, without writing anything (dry run)."""
-    run = _run(run)
-    return _groups_for(run, human=reset_attempts)
+    return _groups_for([_run(run)], human=reset_attempts)
 
 
 # ── calling the module (C1–C3) ──
@@ -280,17 +293,15 @@ def _run(run: EventRun | int) -> EventRun:
 
 
 class _LogBuffer:
-    """A run's log entries of one cleanup, written in one INSERT (and written even when
-    the cleanup fails half-way, so no state change goes unlogged)."""
+    """The log entries of one pass that do not ride with its verdicts (a collision is
+    written when it is found): written with the verdicts' INSERT, or on their own when
+    the pass fails half-way, so no state change goes unlogged."""
 
-    def __init__(self, run: EventRun) -> None:
-        self.run = run
+    def __init__(self) -> None:
         self.entries: list[EventRunLog] = []
 
-    def add(self, kind: str, detail: dict[str, Any]) -> None:
-        self.entries.append(
-            EventRunLog(run_id=self.run.pk, kind=kind, detail=storable_json(detail))
-        )
+    def add(self, run_id: int, kind: str, detail: dict[str, Any]) -> None:
+        self.entries.append(EventRunLog(run_id=run_id, kind=kind, detail=storable_json(detail)))
 
     def flush(self) -> None:
         if self.entries:
@@ -304,113 +315,322 @@ def cleanup_run(
     """C4: work one terminal run's ledger once.
 
     ``reset_attempts`` is the human's flag (never the sweep's): it zeroes the
-    counters first and logs who did it. Each group's rows are claimed (R5) in one
-    statement, given back by one call, and their verdict written by the claim's
-    holder only. ``cleanup_status`` is then derived from the rows left, in the
-    statement that writes it.
+    counters first and logs who did it. Each group's rows are claimed (R5), given
+    back by one call, and their verdict written by the claim's holder only.
+    ``cleanup_status`` is then derived from the rows left, in the statement that
+    writes it. A pass of the sweep does the same for its whole batch at once.
     """
     run = _run(run)
     if run.status not in EventRun.TERMINAL:
         raise RunNotTerminal(f"run {run.pk} is {run.status}: only a finished run is cleaned up")
-    log = _LogBuffer(run)
     with statements_retried():
-        try:
-            return _cleanup(run, reset_attempts, actor, log)
-        finally:
-            log.flush()
+        reset = None
+        if reset_attempts:
+            # The human's licence and its record land together: a pass killed after the
+            # reset cannot lose who reset how many rows.
+            with transaction.atomic():
+                reset = Res.reset_attempts(run)
+                EventRun.objects.set_cleanup_status(run, "pending")
+                EventRunLog.objects.write(run, "cleanup.retry", {"resources": reset, "by": actor})
+        return _work_runs([run], human=reset_attempts, actor=actor, reset=reset)[0]
 
 
-def _cleanup(
-    run: EventRun, reset_attempts: bool, actor: str | None, log: _LogBuffer
-) -> CleanupSummary:
-    summary = CleanupSummary(run_id=run.pk)
-    if reset_attempts:
-        # The human's licence and its record land together: a pass killed after the
-        # reset cannot lose who reset how many rows.
-        with transaction.atomic():
-            summary.reset = Res.reset_attempts(run)
-            EventRun.objects.set_cleanup_status(run, "pending")
-            EventRunLog.objects.write(
-                run, "cleanup.retry", {"resources": summary.reset, "by": actor}
-            )
+@dataclass
+class _Lane:
+    """One claimed group on its way through a pass: the rows one call gives back, and
+    the verdict that call came back with (None: never called, the pass was stopped)."""
 
-    max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
-    step_ttl = ledger_settings.STEP_CLAIM_TTL
-    for group in _groups_for(run, human=reset_attempts):
+    group: Group
+    rows: list[EventRunResource]
+    verdict: Verdict | None = None
+    #: Claimed too often without a verdict: failed without a call.
+    poisoned: bool = False
+
+
+def _work_runs(
+    runs: Sequence[EventRun],
+    *,
+    human: bool = False,
+    actor: str | None = None,
+    reset: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> list[CleanupSummary]:
+    """C4 over a batch of runs, in a number of statements that does not grow with the
+    number of runs or groups: one read of the rows (and one of their steps), one claim
+    transaction, the module calls in parallel (``CLEANUP_CONCURRENCY`` at a time, each
+    under its own deadline, none inside a transaction), then one transaction that
+    writes every verdict (a statement per kind of verdict, fenced by the claim's
+    token), settles every summary and inserts every log entry."""
+    summaries = {run.pk: CleanupSummary(run_id=run.pk, reset=reset) for run in runs}
+    log = _LogBuffer()
+    claimable: list[Group] = []
+    for group in _groups_for(runs, human):
         if group.waiting_for:
             # A call of the step may still make something: give nothing of it back yet,
             # or the give-back by key runs before the object exists. The run stays
             # pending and a later pass comes back.
-            summary.waiting.append(group.waiting_for)
-            continue
-        claim = Res.claim_group(
-            group.rows,
-            released=any(r.status in ("orphaned", "drifted") for r in group.rows),
-            step_ttl=step_ttl,
+            summaries[group.run_id].waiting.append(group.waiting_for)
+        else:
+            claimable.append(group)
+    token: str | None = None
+    try:
+        lanes, token = _claim(claimable, summaries, log)
+        called = [lane for lane in lanes if not lane.poisoned]
+        verdicts = call_all(
+            [partial(_given_back, lane.group, lane.rows) for lane in called],
+            ledger_settings.CLEANUP_CONCURRENCY,
+            should_stop=should_stop,
         )
-        try:
-            _work_group(log, group, claim, summary, max_claims)
-        except BaseException:
-            # The verdict was not written (the database went away, the process is
+        for lane, verdict in zip(called, verdicts, strict=True):
+            lane.verdict = verdict
+        settled = in_transaction(
+            lambda: _write_verdicts(summaries, lanes, token, log.entries, human, actor)
+        )
+        log.entries = []
+    except BaseException:
+        if token is not None:
+            # The verdicts were not written (the database went away, the process is
             # being stopped): this process's next pass hands the claim back.
-            _unfinished.add(claim.token)
-            raise
+            _unfinished.add(token)
+        raise
+    finally:
+        log.flush()
+    return [settled[run.pk] for run in runs]
 
-    summary.cleanup_status, summary.remaining = EventRun.objects.settle_cleanup(
-        run, ledger_settings.MAX_REVERT_ATTEMPTS, max_claims
-    )
-    if summary.attempted or reset_attempts:
-        log.add(
-            "cleanup.swept",
-            {
-                "attempted": summary.attempted,
-                "reverted": summary.reverted,
-                "drifted": summary.drifted,
-                "failed": summary.failed,
-                "remaining": summary.remaining,
-                "fenced": summary.fenced,
-                "cleanup_status": summary.cleanup_status,
-                "by": actor,
-            },
+
+POISONED = (
+    "claimed {max_claims} times without a verdict: giving it back kills or hangs the "
+    "sweeper, so it was left for a human"
+)
+
+
+def _claim(
+    groups: list[Group], summaries: dict[int, CleanupSummary], log: _LogBuffer
+) -> tuple[list[_Lane], str | None]:
+    """Claim every group's rows in one transaction, under one token; answers the lanes
+    to call. Rows claimed this often with no verdict (their revert kills or hangs every
+    sweeper that tries it) are failed for good instead of looping for ever."""
+    if not groups:
+        return [], None
+    rows = [row for group in groups for row in group.rows]
+    claim = in_transaction(
+        lambda: Res.claim_group(
+            rows,
+            released=any(r.status in ("orphaned", "drifted") for r in rows),
+            step_ttl=ledger_settings.STEP_CLAIM_TTL,
         )
-    return summary
-
-
-def _work_group(
-    log: _LogBuffer, group: Group, claim: Any, summary: CleanupSummary, max_claims: int
-) -> None:
-    """One claimed group: collisions noted, poison rows failed, the module called once,
-    the verdict written under the claim's token."""
+    )
+    run_of = {row.pk: row.run_id for row in rows}
     for pk in claim.collided:
         holder = Res.note_collision(pk)
-        summary.failed += 1
+        summaries[run_of[pk]].failed += 1
         log.add(
+            run_of[pk],
             "cleanup.collision",
             {"resource": pk, "held_by_run": holder.run_id if holder else None},
         )
-    if not claim.rows:
-        return
-    rows = claim.rows
-    poisoned = [r for r in rows if r.claim_count >= max_claims]
-    if poisoned:
-        # Claimed this often with no verdict: its revert kills or hangs every
-        # sweeper that tries it. Fail it for good rather than loop for ever.
-        error = (
-            f"claimed {max_claims} times without a verdict: giving it back kills or "
-            "hangs the sweeper, so it was left for a human"
+    won = {row.pk for row in claim.rows}
+    max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
+    poison = Verdict("terminal", POISONED.format(max_claims=max_claims))
+    lanes = []
+    for group in groups:
+        mine = [row for row in group.rows if row.pk in won]
+        poisoned = [row for row in mine if row.claim_count >= max_claims]
+        if poisoned:
+            lanes.append(_Lane(group, poisoned, poison, poisoned=True))
+        rest = [row for row in mine if row.claim_count < max_claims]
+        if rest:
+            lanes.append(_Lane(group, rest))
+    return lanes, claim.token
+
+
+def _given_back(group: Group, rows: list[EventRunResource]) -> Verdict:
+    # One lane's failure is its verdict, never the pass's: the other lanes' calls have
+    # been made, and their answers must be written.
+    try:
+        return _give_back(group, rows)
+    except Exception as exc:
+        logger.exception("giving back %s failed", group.what)
+        return Verdict("retry", storable(f"giving back failed: {type(exc).__name__}: {exc}"))
+
+
+@dataclass
+class _Writes:
+    """Every verdict of a pass as a few statements: one per kind of verdict."""
+
+    reverted: list[int] = field(default_factory=list)
+    #: (error, restore_to, spend_all, spent_claims) → rows.
+    failed: dict[tuple[str | None, str, bool, bool], list[int]] = field(default_factory=dict)
+    unstarted: list[int] = field(default_factory=list)
+
+    def fail(
+        self,
+        pks: list[int],
+        error: str | None,
+        restore_to: str = "confirmed",
+        *,
+        spend_all: bool = False,
+        spent_claims: bool = False,
+    ) -> None:
+        if pks:
+            self.failed.setdefault((error, restore_to, spend_all, spent_claims), []).extend(pks)
+
+    def run(self, token: str) -> set[int] | None:
+        """Write them; answers the rows whose verdict was written, or None for all."""
+        asked = len(self.reverted) + sum(map(len, self.failed.values()))
+        written = Res.mark_reverted(self.reverted, token=token) if self.reverted else 0
+        for (error, restore_to, spend_all, spent_claims), pks in self.failed.items():
+            written += Res.fail_revert(
+                pks, error, restore_to, token=token, spend_all=spend_all, spent_claims=spent_claims
+            )
+        if self.unstarted:
+            Res.unclaim(self.unstarted, token)
+        if written == asked:
+            return None
+        return Res.verdicts_written(
+            [*self.reverted, *(pk for pks in self.failed.values() for pk in pks)], token
         )
-        written = Res.fail_revert(
-            [r.pk for r in poisoned], error, token=claim.token, spent_claims=True
-        )
-        summary.attempted += len(poisoned)
-        summary.failed += written
-        _log_verdict(log, group, poisoned, Verdict("terminal", error))
-        rows = [r for r in rows if r.claim_count < max_claims]
-        if not rows:
-            return
-    summary.attempted += len(rows)
-    verdict = _give_back(group, rows)
-    _apply(log, group, rows, verdict, claim.token, summary)
+
+
+def _split(lane: _Lane) -> tuple[list[int], list[int], str | None]:
+    """A ``done`` verdict over a lane's rows: the rows given back, the rows the module
+    said it could not give back, and that error."""
+    group, rows, verdict = lane.group, lane.rows, lane.verdict
+    assert verdict is not None
+    failed_refs = set(verdict.failed)
+    bad = [r.pk for r in rows if r.ref in failed_refs]
+    error = f"{group.what} answered ok but could not give this back"
+    unknown = sorted(failed_refs - {r.ref for r in rows})
+    if group.by_key and unknown:
+        # Asked by key, the module names things the ledger never recorded: the
+        # placeholder is all that stands for them, so it keeps the failure (rule 2).
+        bad += [r.pk for r in rows if r.kind == STEP_KIND and r.pk not in bad]
+        error = f"{group.what} answered ok but could not give back {bounded(unknown, 5)}"
+    return [r.pk for r in rows if r.pk not in bad], bad, error
+
+
+def _write_verdicts(
+    base: dict[int, CleanupSummary],
+    lanes: list[_Lane],
+    token: str | None,
+    entries: list[EventRunLog],
+    human: bool,
+    actor: str | None,
+) -> dict[int, CleanupSummary]:
+    """The pass's second durable moment, one transaction: the runs locked (so each
+    summary derived here sees every verdict committed before it), every verdict written
+    under the claim's token, every summary settled, every log entry inserted. Answers
+    the summaries; builds them afresh, since a deadlock runs it again from the start."""
+    summaries = {
+        pk: replace(s, errors=list(s.errors), groups=list(s.groups), waiting=list(s.waiting))
+        for pk, s in base.items()
+    }
+    EventRun.objects.lock(summaries)
+    writes = _Writes()
+    splits: dict[int, tuple[list[int], list[int], str | None]] = {}
+    for i, lane in enumerate(lanes):
+        ids = [r.pk for r in lane.rows]
+        verdict = lane.verdict
+        if verdict is None:
+            writes.unstarted += ids
+        elif lane.poisoned:
+            writes.fail(ids, verdict.error, spent_claims=True)
+        elif verdict.outcome == "done":
+            splits[i] = good, bad, bad_error = _split(lane)
+            writes.reverted += good
+            writes.fail(bad, bad_error)
+        elif verdict.outcome == "drifted":
+            writes.fail(ids, verdict.error, "drifted")
+        else:
+            writes.fail(ids, verdict.error, spend_all=verdict.outcome == "terminal")
+    written = writes.run(token) if token is not None else None
+    log = list(entries)
+
+    def add(run_id: int, kind: str, detail: dict[str, Any]) -> None:
+        log.append(EventRunLog(run_id=run_id, kind=kind, detail=storable_json(detail)))
+
+    for i, lane in enumerate(lanes):
+        verdict = lane.verdict
+        if verdict is None:
+            continue
+        summary = summaries[lane.group.run_id]
+        ids = [r.pk for r in lane.rows]
+        done = ids if written is None else [pk for pk in ids if pk in written]
+        summary.attempted += len(ids)
+        if i in splits:
+            given = set(splits[i][0])
+            summary.reverted += sum(1 for pk in done if pk in given)
+            summary.failed += sum(1 for pk in done if pk not in given)
+        elif verdict.outcome == "drifted":
+            summary.drifted += len(done)
+        else:
+            summary.failed += len(done)
+            if verdict.error and not lane.poisoned:
+                summary.errors.append(verdict.error)
+        if len(done) < len(ids):
+            summary.fenced += len(ids) - len(done)
+            add(
+                summary.run_id,
+                "cleanup.fenced",
+                {
+                    "what": lane.group.what,
+                    "resources": len(ids) - len(done),
+                    "reason": "another sweeper took the claim over; this verdict was not written",
+                    "verdict": verdict.outcome,
+                },
+            )
+        add(summary.run_id, *_verdict_entry(lane.group, lane.rows, verdict))
+        if not lane.poisoned:
+            summary.groups.append(
+                {
+                    **lane.group.describe(limit=50),
+                    "outcome": verdict.outcome,
+                    "error": verdict.error,
+                }
+            )
+    settled = EventRun.objects.settle_cleanups(
+        summaries, ledger_settings.MAX_REVERT_ATTEMPTS, ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
+    )
+    for summary in summaries.values():
+        summary.cleanup_status, summary.remaining = settled[summary.run_id]
+        if summary.attempted or (human and summary.reset is not None):
+            add(
+                summary.run_id,
+                "cleanup.swept",
+                {
+                    "attempted": summary.attempted,
+                    "reverted": summary.reverted,
+                    "drifted": summary.drifted,
+                    "failed": summary.failed,
+                    "remaining": summary.remaining,
+                    "fenced": summary.fenced,
+                    "cleanup_status": summary.cleanup_status,
+                    "by": actor,
+                },
+            )
+    if log:
+        EventRunLog.objects.bulk_create(log)
+    return summaries
+
+
+def _verdict_entry(
+    group: Group, rows: list[EventRunResource], verdict: Verdict
+) -> tuple[str, dict[str, Any]]:
+    kind = {"done": "cleanup.reverted", "drifted": "cleanup.drifted"}.get(
+        verdict.outcome, "cleanup.failed"
+    )
+    detail: dict[str, Any] = {
+        "what": group.what,
+        "outcome": verdict.outcome,
+        "resources": bounded([f"{r.kind}:{r.ref}" for r in rows]),
+    }
+    if group.by_key:
+        detail["by_key"] = group.idempotency_key
+    if verdict.error:
+        detail["error"] = verdict.error
+    if verdict.failed:
+        detail["failed"] = bounded(verdict.failed)
+    return kind, detail
 
 
 class _UnfinishedClaims:
@@ -444,81 +664,6 @@ class _UnfinishedClaims:
 
 
 _unfinished = _UnfinishedClaims()
-
-
-def _apply(
-    log: _LogBuffer,
-    group: Group,
-    rows: list[EventRunResource],
-    verdict: Verdict,
-    token: str,
-    summary: CleanupSummary,
-) -> None:
-    """Write one verdict over the rows it covers: at most two statements, fenced by the
-    claim's token so a sweeper whose stale claim was taken over writes nothing."""
-    ids = [r.pk for r in rows]
-    if verdict.outcome == "done":
-        failed_refs = set(verdict.failed)
-        bad = [r.pk for r in rows if r.ref in failed_refs]
-        bad_error = f"{group.what} answered ok but could not give this back"
-        unknown = sorted(failed_refs - {r.ref for r in rows})
-        if group.by_key and unknown:
-            # Asked by key, the module names things the ledger never recorded: the
-            # placeholder is all that stands for them, so it keeps the failure (rule 2).
-            bad += [r.pk for r in rows if r.kind == STEP_KIND and r.pk not in bad]
-            bad_error = f"{group.what} answered ok but could not give back {bounded(unknown, 5)}"
-        good = [pk for pk in ids if pk not in bad]
-        written = Res.mark_reverted(good, token=token) if good else 0
-        summary.reverted += written
-        if bad:
-            written_bad = Res.fail_revert(bad, bad_error, token=token)
-            summary.failed += written_bad
-            written += written_bad
-    elif verdict.outcome == "drifted":
-        written = Res.fail_revert(ids, verdict.error, "drifted", token=token)
-        summary.drifted += written
-    else:
-        written = Res.fail_revert(
-            ids, verdict.error, token=token, spend_all=verdict.outcome == "terminal"
-        )
-        summary.failed += written
-        if verdict.error:
-            summary.errors.append(verdict.error)
-    if written < len(ids):
-        summary.fenced += len(ids) - written
-        log.add(
-            "cleanup.fenced",
-            {
-                "what": group.what,
-                "resources": len(ids) - written,
-                "reason": "another sweeper took the claim over; this verdict was not written",
-                "verdict": verdict.outcome,
-            },
-        )
-    _log_verdict(log, group, rows, verdict)
-    summary.groups.append(
-        {**group.describe(limit=50), "outcome": verdict.outcome, "error": verdict.error}
-    )
-
-
-def _log_verdict(
-    log: _LogBuffer, group: Group, rows: list[EventRunResource], verdict: Verdict
-) -> None:
-    kind = {"done": "cleanup.reverted", "drifted": "cleanup.drifted"}.get(
-        verdict.outcome, "cleanup.failed"
-    )
-    detail: dict[str, Any] = {
-        "what": group.what,
-        "outcome": verdict.outcome,
-        "resources": bounded([f"{r.kind}:{r.ref}" for r in rows]),
-    }
-    if group.by_key:
-        detail["by_key"] = group.idempotency_key
-    if verdict.error:
-        detail["error"] = verdict.error
-    if verdict.failed:
-        detail["failed"] = bounded(verdict.failed)
-    log.add(kind, detail)
 
 
 # ── C5 ──
@@ -562,13 +707,7 @@ def _sweep(limit: int | None, should_stop: Callable[[], bool] | None) -> SweepRe
     report = SweepReport()
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
-    try:
-        handed = _unfinished.hand_back()
-        if handed:
-            logger.warning("handed back %d claim(s) a failed pass had left behind", handed)
-    except DatabaseError as exc:
-        logger.warning("could not hand back the claims of a failed pass yet", exc_info=True)
-        _drop_if_dead(exc)
+    _hand_back_unfinished()
     try:
         report.repaired_runs = EventRun.objects.repair_cleanup_summaries(max_attempts, max_claims)
     except DatabaseError as exc:
@@ -576,39 +715,63 @@ def _sweep(limit: int | None, should_stop: Callable[[], bool] | None) -> SweepRe
         report.repair_error = f"{type(exc).__name__}: {exc}"
         _drop_if_dead(exc)
     batch = limit or ledger_settings.CLEANUP_RUN_BATCH
-    step_ttl = ledger_settings.STEP_CLAIM_TTL
-    # Runs with something to give back now first; runs that only wait for a step in
-    # flight fill what is left of the batch (they are worked to report what they wait
-    # for), so a batch's worth of hung steps never starves the runs behind them.
     runs = retrying_deadlocks(
-        lambda: Res.runs_needing_cleanup(batch, max_attempts, max_claims, step_ttl=step_ttl)
-    )
-    if len(runs) < batch:
-        taken = {r.pk for r in runs}
-        waiting = retrying_deadlocks(
-            lambda: Res.runs_needing_cleanup(batch + len(runs), max_attempts, max_claims)
+        lambda: Res.runs_needing_cleanup(
+            batch, max_attempts, max_claims, step_ttl=ledger_settings.STEP_CLAIM_TTL
         )
-        runs += [r for r in waiting if r.pk not in taken][: batch - len(runs)]
+    )
+    runs = [run for run in runs if run.status in EventRun.TERMINAL]
+    if not runs or (should_stop is not None and should_stop()):
+        return report
+    try:
+        report.runs = _work_runs(runs, should_stop=should_stop)
+    except Exception as exc:
+        logger.exception("the pass over runs %s failed", [run.pk for run in runs])
+        if isinstance(exc, DatabaseError) and _drop_if_dead(exc):
+            # The server went away ("gone away", a lost or killed connection): the
+            # next pass gets a new connection. A verdict whose answer was lost is
+            # fenced by its claim, so the rows are simply reclaimed.
+            for run in runs:
+                report.errors[run.pk] = _error_text(exc)
+            return report
+        # One run's failure must not cost the others (C5): the batch's claims are
+        # handed back, and its runs are worked one by one.
+        _hand_back_unfinished()
+        _one_by_one(runs, report, should_stop)
+    return report
+
+
+def _one_by_one(
+    runs: list[EventRun], report: SweepReport, should_stop: Callable[[], bool] | None
+) -> None:
     for run in runs:
         if should_stop is not None and should_stop():
-            break  # asked to stop: the run in hand is finished, the rest wait
-        if run.status not in EventRun.TERMINAL:
-            continue
+            break  # asked to stop: the runs not begun wait for the next pass
         try:
             report.runs.append(cleanup_run(run))
         except Exception as exc:
             logger.exception("cleanup of run %s failed", run.pk)
-            report.errors[run.pk] = storable(f"{type(exc).__name__}: {exc}")
+            report.errors[run.pk] = _error_text(exc)
             if isinstance(exc, DatabaseError) and _drop_if_dead(exc):
-                # The server went away ("gone away", a lost or killed connection): the
-                # next run gets a new connection. A verdict whose answer was lost is
-                # fenced by its claim, so the row is simply reclaimed after the TTL.
                 continue
             try:
                 EventRunLog.objects.write(run, "cleanup.error", {"error": report.errors[run.pk]})
             except DatabaseError as log_exc:
                 _drop_if_dead(log_exc)
-    return report
+
+
+def _error_text(exc: BaseException) -> str:
+    return storable(f"{type(exc).__name__}: {exc}")
+
+
+def _hand_back_unfinished() -> None:
+    try:
+        handed = _unfinished.hand_back()
+        if handed:
+            logger.warning("handed back %d claim(s) a failed pass had left behind", handed)
+    except DatabaseError as exc:
+        logger.warning("could not hand back the claims of a failed pass yet", exc_info=True)
+        _drop_if_dead(exc)
 
 
 def _drop_if_dead(exc: BaseException) -> bool:
@@ -668,20 +831,21 @@ def _reconcile(owner: str, force: bool, max_fraction: float | None) -> Reconcile
     summary = ReconcileSummary(owner=owner)
     rows = [r for r in Res.live_for_module(owner) if r.kind != STEP_KIND]
     missing: list[tuple[EventRunResource, str]] = []
+    asking: list[tuple[Group, Action]] = []
     for group in group_rows(rows):
-        if group.lease_ref:
-            summary.unanswered += len(group.rows)  # a lease is restored, never reconciled
-            continue
-        action = registry.action(group.action_id)
+        action = None if group.lease_ref else registry.action(group.action_id)
         if action is None or not callable(action.reconcile):
+            # A lease is restored, never reconciled; no reconcile is "I don't know".
             summary.unanswered += len(group.rows)
-            continue
-        resources = [{"kind": r.kind, "ref": r.ref, "payload": r.payload} for r in group.rows]
-        call = call_with_deadline(
-            partial(action.reconcile, run_id=group.rows[0].run_id, resources=resources),
-            (action.budget_ms or 0) / 1000 or ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds(),
-            f"{action.id}.reconcile",
-        )
+        else:
+            asking.append((group, action))
+    # The module's calls in parallel, each under its own deadline (CLEANUP_CONCURRENCY).
+    calls = call_all(
+        [partial(_ask_reconcile, group, action) for group, action in asking],
+        ledger_settings.CLEANUP_CONCURRENCY,
+    )
+    for (group, action), call in zip(asking, calls, strict=True):
+        assert call is not None
         answer = call.value
         if (
             call.timed_out
@@ -745,6 +909,16 @@ def _reconcile(owner: str, force: bool, max_fraction: float | None) -> Reconcile
             ]
         )
     return summary
+
+
+def _ask_reconcile(group: Group, action: Action) -> CallResult:
+    assert action.reconcile is not None
+    resources = [{"kind": r.kind, "ref": r.ref, "payload": r.payload} for r in group.rows]
+    return call_with_deadline(
+        partial(action.reconcile, run_id=group.rows[0].run_id, resources=resources),
+        (action.budget_ms or 0) / 1000 or ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds(),
+        f"{action.id}.reconcile",
+    )
 
 
 def reconcile_all(*, force: bool = False) -> dict[str, ReconcileSummary]:

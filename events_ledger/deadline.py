@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import connections
 from django.db.backends.signals import connection_created
@@ -14,6 +15,8 @@ from django.db.backends.signals import connection_created
 logger = logging.getLogger("events_ledger")
 
 _watched = threading.local()
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,39 @@ def _interrupted(
                 _close_connections()
 
         threading.Thread(target=deliver, name=f"events-ledger:{what}:late", daemon=True).start()
+
+
+def call_all(
+    calls: Sequence[Callable[[], T]],
+    width: int,
+    *,
+    should_stop: Callable[[], bool] | None = None,
+) -> list[T | None]:
+    """Make ``calls`` (each a module call under its own deadline) at most ``width`` at a
+    time; answers their results in order.
+
+    A pass that calls its modules one after the other takes the sum of their times; in
+    parallel it takes about the longest. A call not yet started when ``should_stop``
+    says so is not started, and answers None. What a call raises is raised here, once
+    every started call has ended (so no answer is lost behind it).
+    """
+
+    def one(call: Callable[[], T]) -> T | None:
+        if should_stop is not None and should_stop():
+            return None
+        try:
+            return call()
+        finally:
+            # A call's deadline may have killed sessions from this thread's connection.
+            _close_connections()
+
+    if width <= 1 or len(calls) <= 1:
+        return [None if should_stop is not None and should_stop() else call() for call in calls]
+    with ThreadPoolExecutor(
+        max_workers=min(width, len(calls)), thread_name_prefix="events-ledger:calls"
+    ) as pool:
+        futures = [pool.submit(one, call) for call in calls]
+    return [future.result() for future in futures]
 
 
 def _close_connections() -> None:

@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from django.db import IntegrityError, models
+from django.db import IntegrityError, connections, models
 from django.db.models import Case, Count, Exists, F, OuterRef, Q, Value, When
 from django.db.models.functions import Greatest
 
@@ -90,6 +90,45 @@ class EventRunQuerySet(models.QuerySet):
             When(Exists(rows.retryable(max_attempts, max_claims)), then=Value("pending")),
             default=Value("incomplete"),
         )
+
+    def lock(self, runs: Iterable[Any]) -> list[Any]:
+        """Lock the runs' rows for the caller's transaction, in id order (so two callers
+        never wait on each other's locks in a cycle). A summary derived after this sees
+        every verdict committed before it; one derived in a statement that waited for
+        the lock would read rows as they were when the statement began."""
+
+        ids = _pks(runs)
+        if not ids:
+            return []
+        # PostgreSQL's FOR NO KEY UPDATE does not block a foreign key check (a step's
+        # rows being recorded under the run meanwhile); the others have one kind.
+        no_key = connections[self.db].features.has_select_for_no_key_update
+        return list(
+            self.filter(pk__in=ids)
+            .order_by("pk")
+            .select_for_update(no_key=no_key)
+            .values_list("pk", flat=True)
+        )
+
+    def settle_cleanups(
+        self, runs: Iterable[Any], max_attempts: int, max_claims: int
+    ) -> dict[int, tuple[str, int]]:
+        """``settle_cleanup`` for many runs: one UPDATE derives every summary from its
+        rows, one SELECT answers each run's summary and unresolved count."""
+        ids = _pks(runs)
+        if not ids:
+            return {}
+        derived = self._derived_cleanup_status(max_attempts, max_claims)
+        retrying_deadlocks(
+            lambda: self.filter(pk__in=ids).update(cleanup_status=derived, updated_at=UtcNow()),
+            using=self.db,
+        )
+        return {
+            pk: (status, count)
+            for pk, status, count in self.filter(pk__in=ids)
+            .with_unresolved_count()
+            .values_list("pk", "cleanup_status", "unresolved_count")
+        }
 
     def settle_cleanup(self, run: Any, max_attempts: int, max_claims: int) -> tuple[str, int]:
         """Derive ``cleanup_status`` from the run's rows in the one statement that writes
@@ -390,7 +429,6 @@ class EventRunResourceQuerySet(models.QuerySet):
         if not rows:
             return 0, None
         from django.core.serializers.json import DjangoJSONEncoder
-        from django.db import connections
         from django.utils import timezone
 
         conn = connections[self.db]
@@ -548,6 +586,15 @@ class EventRunResourceQuerySet(models.QuerySet):
             qs = qs.retryable(max_attempts, max_claims)
         return qs
 
+    def unresolved_for_runs(
+        self, runs: Iterable[Any], max_attempts: int | None = None, max_claims: int | None = None
+    ) -> EventRunResourceQuerySet:
+        """The rows a pass gives back, for every run of its batch in one statement."""
+        qs = self.filter(run__in=_pks(runs)).unresolved().order_by("run_id", "pk")
+        if max_attempts is not None:
+            qs = qs.retryable(max_attempts, max_claims)
+        return qs
+
     def unresolved_count(self, run: Any) -> int:
         return self.filter(run=_pk(run)).unresolved().count()
 
@@ -626,11 +673,16 @@ class EventRunResourceQuerySet(models.QuerySet):
             steps = self.model._meta.get_field("step").related_model._default_manager
             base = base.exclude(Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id"))))
         collided: list[int] = []
+        # Held rows are live already, so turning them `reverting` can never collide and
+        # needs no savepoint inside the caller's transaction.
+        in_caller_transaction = connections[self.db].in_atomic_block
         for part in chunked(ids):
             rows = base.filter(pk__in=part)
-            # Held rows are live already, so turning them `reverting` can never collide.
             live = rows.filter(Q(status__in=LIVE) | self._stale_claim(ttl))
-            retrying_deadlocks(partial(live.update, **values), using=self.db)
+            if in_caller_transaction:
+                live.update(**values)
+            else:
+                retrying_deadlocks(partial(live.update, **values), using=self.db)
             if not released:
                 continue
             try:
@@ -656,6 +708,29 @@ class EventRunResourceQuerySet(models.QuerySet):
         return self.filter(claim_token__in=list(tokens), status="reverting").update(
             updated_at=LONG_AGO
         )
+
+    def unclaim(self, pks: Any, token: str) -> int:
+        """Hand back rows claimed under ``token`` that were never given to a module (the
+        pass was asked to stop first): stale at once, and the claim not counted, since
+        no call was made that could have killed or hung the sweeper."""
+        return sum(
+            self.filter(pk__in=part, claim_token=token, status="reverting").update(
+                updated_at=LONG_AGO, claim_count=Greatest(F("claim_count") - 1, Value(0))
+            )
+            for part in chunked(_pks(pks))
+        )
+
+    def verdicts_written(self, pks: Any, token: str) -> set[int]:
+        """Of rows claimed under ``token``, the ones whose verdict this claim wrote (a
+        verdict leaves the token on the row; a takeover replaces it). Only read when a
+        verdict statement matched fewer rows than it was given."""
+        return {
+            pk
+            for part in chunked(_pks(pks))
+            for pk in self.filter(pk__in=part, claim_token=token)
+            .exclude(status="reverting")
+            .values_list("pk", flat=True)
+        }
 
     def _won(self, token: str, known: dict[Any, EventRunResource]) -> list[EventRunResource]:
         won = list(
@@ -817,17 +892,20 @@ class EventRunResourceQuerySet(models.QuerySet):
         from .models import EventRun
 
         owing = self.retryable(max_attempts, max_claims)
-        if step_ttl is not None:
-            # A run whose only retryable rows wait for a step in flight has nothing to
-            # give back yet: taking it first on every pass would starve the runs behind
-            # it once a batch's worth of steps hang.
-            steps = self.model._meta.get_field("step").related_model._default_manager
-            owing = owing.exclude(Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id"))))
-        return list(
-            EventRun.objects.terminal()
-            .filter(cleanup_status__in=("pending", "not_required"), pk__in=owing.values("run_id"))
-            .order_by("pk")[:limit]
+        runs = EventRun.objects.terminal().filter(
+            cleanup_status__in=("pending", "not_required"), pk__in=owing.values("run_id")
         )
+        if step_ttl is None:
+            return list(runs.order_by("pk")[:limit])
+        # Runs with something to give back now come first; a run whose only retryable
+        # rows wait for a step in flight fills what is left of the batch (it is worked
+        # to report what it waits for). Taking it first on every pass would starve the
+        # runs behind it once a batch's worth of steps hang.
+        steps = self.model._meta.get_field("step").related_model._default_manager
+        ready = owing.filter(run_id=OuterRef("pk")).exclude(
+            Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id")))
+        )
+        return list(runs.alias(ready=Exists(ready)).order_by(F("ready").desc(), "pk")[:limit])
 
 
 class EventRunLogManager(models.Manager["EventRunLog"]):

@@ -161,7 +161,7 @@ def test_loop_sweeps_until_sigterm(world):  # S1
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
-    assert "finishing the run in hand" in out
+    assert "finishing the calls in hand" in out
     assert Creature.objects.count() == 0
 
 

@@ -46,7 +46,7 @@ class Command(LedgerCommand):
             "--loop",
             type=float,
             metavar="SECONDS",
-            help="Sweep every SECONDS until SIGTERM/SIGINT, finishing the run in hand.",
+            help="Sweep every SECONDS until SIGTERM/SIGINT, finishing the calls in hand.",
         )
         self.add_json_argument(parser)
 
@@ -209,7 +209,7 @@ class Command(LedgerCommand):
 
         def request_stop(signum: int, frame: Any) -> None:
             if self.verbosity:
-                self.stdout.write(f"signal {signum}: finishing the run in hand, then stopping")
+                self.stdout.write(f"signal {signum}: finishing the calls in hand, then stopping")
             stop.set()
 
         previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
