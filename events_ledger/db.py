@@ -139,18 +139,22 @@ def _deadlock_retried(fn: Callable[[], T], retryable: Callable[[], bool], tries:
     raise AssertionError("unreachable")
 
 
-def retrying_deadlocks(fn: Callable[[], T], *, using: str = "default", tries: int = 5) -> T:
+def retrying_deadlocks(
+    fn: Callable[[], T], *, using: str = "default", tries: int = 5, savepoint: bool = True
+) -> T:
     """Run ``fn`` (statements that are each safe on their own), retrying it when the
     database picks it as a deadlock victim.
 
     A MariaDB deadlock rolls back the caller's whole transaction, which no savepoint
     survives; so inside an outer transaction the error is re-raised for the owner of
     that transaction to handle, and only a call that owns its transaction retries.
+    ``savepoint=False`` says ``fn`` cannot be refused (no unique key it may hit), so
+    inside a transaction it needs no savepoint (two round trips saved).
     """
     outer = connections[using].in_atomic_block
 
     def run() -> T:
-        if not outer:
+        if not outer or not savepoint:
             # Autocommit: each statement is its own transaction and a failed one
             # poisons nothing, so no BEGIN/COMMIT round trips are spent.
             return fn()

@@ -98,11 +98,12 @@ class EventRunQuerySet(models.QuerySet):
         the lock would read rows as they were when the statement began."""
 
         ids = _pks(runs)
-        if not ids:
-            return []
+        features = connections[self.db].features
+        if not ids or not features.has_select_for_update:
+            return ids  # SQLite: the transaction holds the whole file already
         # PostgreSQL's FOR NO KEY UPDATE does not block a foreign key check (a step's
         # rows being recorded under the run meanwhile); the others have one kind.
-        no_key = connections[self.db].features.has_select_for_no_key_update
+        no_key = features.has_select_for_no_key_update
         return list(
             self.filter(pk__in=ids)
             .order_by("pk")
@@ -122,6 +123,7 @@ class EventRunQuerySet(models.QuerySet):
         retrying_deadlocks(
             lambda: self.filter(pk__in=ids).update(cleanup_status=derived, updated_at=UtcNow()),
             using=self.db,
+            savepoint=False,
         )
         return {
             pk: (status, count)
@@ -675,14 +677,10 @@ class EventRunResourceQuerySet(models.QuerySet):
         collided: list[int] = []
         # Held rows are live already, so turning them `reverting` can never collide and
         # needs no savepoint inside the caller's transaction.
-        in_caller_transaction = connections[self.db].in_atomic_block
         for part in chunked(ids):
             rows = base.filter(pk__in=part)
             live = rows.filter(Q(status__in=LIVE) | self._stale_claim(ttl))
-            if in_caller_transaction:
-                live.update(**values)
-            else:
-                retrying_deadlocks(partial(live.update, **values), using=self.db)
+            retrying_deadlocks(partial(live.update, **values), using=self.db, savepoint=False)
             if not released:
                 continue
             try:

@@ -53,13 +53,16 @@ def test_a_pass_costs_the_same_statements_for_1_and_10_runs(isolated_registry, s
 
 
 @pytest.mark.django_db
-def test_a_pass_over_one_run_is_this_many_statements(isolated_registry, vendor):  # C5, #12
+def test_a_pass_over_one_run_is_this_many_statements(isolated_registry):  # C5, #12
     ledger_action(isolated_registry)
-    count, sqls = _pass_cost(1, 1)
+    _, sqls = _pass_cost(1, 1)
     # repair (2 reads), scan, rows, steps, claim + read-back, lock the runs, verdict,
-    # settle + read-back, log; plus what a transaction costs on this backend.
+    # settle + read-back, log.
+    # The test's own transaction makes savepoints of what runs in autocommit in
+    # production; they are not the pass's statements.
     statements = [s for s in sqls if not s.upper().startswith(("SAVEPOINT", "RELEASE"))]
-    assert len(statements) == 12, sqls
+    # SQLite needs no lock on the runs: its transaction holds the whole file.
+    assert len(statements) == (12 if connection.features.has_select_for_update else 11), sqls
 
 
 @pytest.mark.django_db(transaction=True)
