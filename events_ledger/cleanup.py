@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import DatabaseError, connection, transaction
 from django.db.models import Exists, OuterRef
@@ -31,6 +31,7 @@ from .registry import default_registry as registry
 logger = logging.getLogger("events_ledger")
 
 Res = EventRunResource.objects
+T = TypeVar("T")
 
 __all__ = [
     "CleanupSummary",
@@ -383,7 +384,7 @@ def _work_runs(
         )
         for lane, verdict in zip(called, verdicts, strict=True):
             lane.verdict = verdict
-        settled = in_transaction(
+        settled = _reconnecting(
             lambda: _write_verdicts(summaries, lanes, token, log.entries, human, actor)
         )
         log.entries = []
@@ -396,6 +397,21 @@ def _work_runs(
     finally:
         log.flush()
     return [settled[run.pk] for run in runs]
+
+
+def _reconnecting(fn: Callable[[], T]) -> T:
+    """Run ``fn`` as one transaction, once more on a new connection if the server
+    dropped this one. The verdicts are in hand and fenced by the claim's token, so
+    writing them again is safe; otherwise the module's answers would be lost and every
+    call of the pass made again after the TTL. (Had the first COMMIT landed and only
+    its answer been lost, the second finds the verdicts written and logs them twice.)"""
+    try:
+        return in_transaction(fn)
+    except DatabaseError as exc:
+        if not _drop_if_dead(exc):
+            raise
+        logger.warning("the connection was lost before the verdicts were written; once more")
+        return in_transaction(fn)
 
 
 POISONED = (
