@@ -34,6 +34,10 @@ def _steps(doc: dict[str, Any]) -> str:
     return f"{n} step{'s' if steps != [1] else ''}"
 
 
+def _rounds(doc: dict[str, Any]) -> str:
+    return "/".join(map(str, sorted({s["rounds"] for s in doc["shapes"]}))) or "0"
+
+
 def database_name(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     return f"{m.get('server') or DATABASES.get(m['database'], m['database'])} {m['version']}"
@@ -46,6 +50,9 @@ def text(doc: dict[str, Any]) -> str:
         f"database: {database_name(doc)} · {m['cpus']} CPUs · Python {m['python']} · "
         f"Django {m['django']} · {m['platform']} · {m['date']}",
         f"durability: {_settings(doc)}",
+        f"load average (1 min): {m['load_at_start']:.2f} at the start, "
+        f"{m['load_at_end']:.2f} at the end; each shape in {_rounds(doc)} rounds, the two "
+        "ways taken in turn (ledger, per-row, per-row, ledger, ...)",
     ]
     for leg, title, per in (
         ("recording", "recording", "step"),
@@ -176,7 +183,15 @@ def markdown(docs: list[dict[str, Any]]) -> str:
             ],
         )
     row("", "durability", [_settings(d) for d in docs])
-    row("", "run", [f"{d['machine']['date']}, Django {d['machine']['django']}" for d in docs])
+    row(
+        "",
+        "run",
+        [
+            f"{d['machine']['date']}, Django {d['machine']['django']}, load "
+            f"{d['machine']['load_at_start']:.1f}→{d['machine']['load_at_end']:.1f}"
+            for d in docs
+        ],
+    )
     return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@ module calls of one sweep pass made one after the other or in parallel."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
@@ -122,6 +122,22 @@ def _done(made: list[tuple[EventRun, list[EventRunStep]]]) -> None:
 # ── figures ──
 
 
+@dataclass
+class Legs:
+    """What one way cost, both halves, summed over rounds."""
+
+    recording: Counts = field(default_factory=Counts)
+    giving_back: Counts = field(default_factory=Counts)
+    #: Sweep passes that gave something back (the ledger's way only).
+    passes: int = 0
+
+    def __iadd__(self, other: Legs) -> Legs:
+        self.recording += other.recording
+        self.giving_back += other.giving_back
+        self.passes += other.passes
+        return self
+
+
 def _figures(counts: Counts, resources: int, per: str, units: int) -> dict[str, Any]:
     return {
         "resources": resources,
@@ -148,14 +164,14 @@ def _execute(made: list[tuple[EventRun, list[EventRunStep]]]) -> None:
 # ── the two ways ──
 
 
-def ledger_way(shape: Shape) -> dict[str, Any]:
+def ledger_way(shape: Shape) -> Legs:
     """``execute_step`` per step; then ``sweep`` passes until one finds nothing to do (that
     last, empty pass is not counted: the per-row way has no scan to match it)."""
     made = _make_runs(shape, NOOP, "ledger")
-    with measured() as recording:
+    legs = Legs()
+    with measured() as legs.recording:
         _execute(made)
     _end(made)
-    back, passes = Counts(), 0
     for _ in range(shape.runs + 2):  # a bound, should a pass ever give back nothing
         with measured() as one:
             report = sweep(limit=ledger_settings.CLEANUP_RUN_BATCH)
@@ -163,34 +179,26 @@ def ledger_way(shape: Shape) -> dict[str, Any]:
             raise RuntimeError(f"a bench sweep failed: {report.errors}")
         if not report.runs:
             break
-        back += one
-        passes += 1
+        legs.giving_back += one
+        legs.passes += 1
     _check(made)
-    giving_back = _figures(back, shape.total, "run", shape.runs)
-    giving_back["passes"] = passes
-    giving_back["commits_per_pass"] = back.commits / passes if passes else 0.0
-    return {
-        "recording": _figures(recording, shape.total, "step", shape.runs * shape.steps),
-        "giving_back": giving_back,
-    }
+    return legs
 
 
-def per_row_way(shape: Shape) -> dict[str, Any]:
+def per_row_way(shape: Shape) -> Legs:
     """The seeds' protocol (see ``per_row``), on the same tables, shape and module."""
     made = _make_runs(shape, NOOP, "per-row")
-    with measured() as recording:
+    legs = Legs()
+    with measured() as legs.recording:
         for run, steps in made:
             for step in steps:
                 per_row.record_step(run, step, OWNER, _perform)
     _end(made)
-    with measured() as back:
+    with measured() as legs.giving_back:
         for run, _ in made:
             per_row.give_back_run(run, _revert)
     _check(made)
-    return {
-        "recording": _figures(recording, shape.total, "step", shape.runs * shape.steps),
-        "giving_back": _figures(back, shape.total, "run", shape.runs),
-    }
+    return legs
 
 
 def _check(made: list[tuple[EventRun, list[EventRunStep]]]) -> None:
@@ -200,19 +208,42 @@ def _check(made: list[tuple[EventRun, list[EventRunStep]]]) -> None:
         raise RuntimeError(f"{left} rows were not given back")
 
 
-def both_ways(shape: Shape) -> dict[str, Any]:
-    ledger, row = ledger_way(shape), per_row_way(shape)
-    return {
+def both_ways(shape: Shape, rounds: int = 2) -> dict[str, Any]:
+    """Both ways over the shape's runs, cut into ``rounds`` rounds taken in the order
+    ledger, per-row, then per-row, ledger, and so on: the machine is shared, and a load
+    that rises or falls during the measurement then weighs on both ways alike."""
+    ways = {"ledger": (ledger_way, Legs()), "per_row": (per_row_way, Legs())}
+    rounds = max(1, min(rounds, shape.runs))
+    for i in range(rounds):
+        runs = shape.runs // rounds + (1 if i < shape.runs % rounds else 0)
+        part = Shape(resources=shape.resources, runs=runs, steps=shape.steps)
+        order = ("ledger", "per_row") if i % 2 == 0 else ("per_row", "ledger")
+        for name in order:
+            way, legs = ways[name]
+            legs += way(part)
+    out: dict[str, Any] = {
         "resources_per_step": shape.resources,
         "steps_per_run": shape.steps,
         "runs": shape.runs,
-        "ledger": ledger,
-        "per_row": row,
-        "ratio": {
-            leg: ledger[leg]["per_s"] / row[leg]["per_s"] if row[leg]["per_s"] else None
-            for leg in ("recording", "giving_back")
-        },
+        "rounds": rounds,
     }
+    for name, (_, legs) in ways.items():
+        out[name] = {
+            "recording": _figures(legs.recording, shape.total, "step", shape.runs * shape.steps),
+            "giving_back": _figures(legs.giving_back, shape.total, "run", shape.runs),
+        }
+    back = ways["ledger"][1]
+    out["ledger"]["giving_back"]["passes"] = back.passes
+    out["ledger"]["giving_back"]["commits_per_pass"] = (
+        back.giving_back.commits / back.passes if back.passes else 0.0
+    )
+    out["ratio"] = {
+        leg: out["ledger"][leg]["per_s"] / out["per_row"][leg]["per_s"]
+        if out["per_row"][leg]["per_s"]
+        else None
+        for leg in ("recording", "giving_back")
+    }
+    return out
 
 
 def warm_up() -> None:

@@ -47,6 +47,12 @@ class Command(LedgerCommand):
         )
         parser.add_argument("--steps", type=int, default=1, help="steps per run (default 1)")
         parser.add_argument(
+            "--rounds",
+            type=int,
+            default=2,
+            help="rounds each shape's runs are cut into, the two ways taken in turn (default 2)",
+        )
+        parser.add_argument(
             "--calls-runs",
             type=int,
             default=10,
@@ -93,11 +99,12 @@ class Command(LedgerCommand):
             ) from None
         numbers = [n for pair in sizes for n in pair] + [
             opts["steps"],
+            opts["rounds"],
             opts["calls_groups"],
             opts["concurrency"],
         ]
         if min(numbers) < 1 or opts["calls_runs"] < 0 or opts["revert_ms"] < 0:
-            raise self.bad_input("shapes, steps, groups and concurrency must be at least 1")
+            raise self.bad_input("shapes, steps, rounds, groups and concurrency must be at least 1")
         if settings.DEBUG and not opts["json"]:
             self.stderr.write(
                 "note: DEBUG is on, so Django logs every query; figures are lower than in production."
@@ -114,7 +121,7 @@ class Command(LedgerCommand):
                     if verbose:
                         self.stderr.write(f"shape: {resources} resource(s)/step × {runs} runs")
                     shape = shapes.Shape(resources=resources, runs=runs, steps=opts["steps"])
-                    doc["shapes"].append(shapes.both_ways(shape))
+                    doc["shapes"].append(shapes.both_ways(shape, opts["rounds"]))
                 if opts["calls_runs"]:
                     if verbose:
                         self.stderr.write("module calls: sequential, then parallel")
@@ -130,6 +137,8 @@ class Command(LedgerCommand):
                     doc["idle_sweep"] = idle_sweeps(history, shapes.SCOPE)
             finally:
                 shapes.delete_runs()
+        # The machine is shared: how busy it was says how far to trust the absolute figures.
+        doc["machine"]["load_at_end"] = os.getloadavg()[0]
         if opts["json"]:
             self.emit_json(doc)
         else:
@@ -154,4 +163,5 @@ class Command(LedgerCommand):
             "django": django.get_version(),
             "platform": platform.platform(),
             "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+            "load_at_start": os.getloadavg()[0],
         }
