@@ -41,6 +41,7 @@ serve: venv
 test: venv venv6
 	scripts/test-all
 
+# The benchmark on servers of its own, durable as production ones (see scripts/bench-all).
 bench: venv
 	scripts/bench-all
 
@@ -50,4 +51,5 @@ chaos: venv
 
 clean:
 	-scripts/rig/down
-	rm -rf $(VENV) $(VENV6) .rig $(DEMO_DB) .test-db.sqlite3 .test-run.sqlite3 .chaos*.sqlite3
+	-RIG_DIR=.rig-bench scripts/rig/down
+	rm -rf $(VENV) $(VENV6) .rig $(DEMO_DB) .test-db.sqlite3 .test-run.sqlite3 .chaos*.sqlite3 .bench-results .bench.sqlite3*

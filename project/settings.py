@@ -25,6 +25,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "events_ledger",
     "project.world",
+    # The benchmark (manage.py ledger_bench): the host's, not the app's.
+    "project.bench",
 ]
 
 MIDDLEWARE = [

@@ -15,11 +15,21 @@ RIG_DIR="$(realpath -m -- "$RIG_DIR")"
 [ "$RIG_DIR" != "/" ] || die "RIG_DIR must not be /"
 export RIG_DIR
 
-RIG_USER="${RIG_USER:-rigpg}"        # non-root user that owns the PostgreSQL cluster
 RIG_MARKER="$RIG_DIR/.rig-dir"         # down only deletes directories carrying this
 # Names this rig's things outside $RIG_DIR (socket dir, user comment, policy-rc.d),
 # so that down can tell them from look-alikes made by someone else.
 RIG_ID="$(printf '%s' "$RIG_DIR" | md5sum | cut -c1-12)"
+# The non-root user that owns the PostgreSQL cluster: rigpg for a rig dir named .rig,
+# a user of its own for any other (rigpg-<id>), so that a second rig running beside
+# the default one shares no user with it (a rig's down deletes the user its up made,
+# which userdel refuses while the other rig's PostgreSQL runs as it). A running rig's
+# user is the one its up wrote down, whatever the caller's RIG_USER says.
+RIG_USER_FILE="$RIG_DIR/rig-user"
+if [ -s "$RIG_USER_FILE" ]; then
+    RIG_USER="$(head -n1 "$RIG_USER_FILE")"
+elif [ -z "${RIG_USER:-}" ]; then
+    if [ "$(basename "$RIG_DIR")" = .rig ]; then RIG_USER=rigpg; else RIG_USER="rigpg-${RIG_ID:0:8}"; fi
+fi
 RIG_STATE="$RIG_DIR/.rig-state"        # changes up made outside $RIG_DIR (see below)
 POLICY_RC_D=/usr/sbin/policy-rc.d
 POLICY_MARK="# written by scripts/rig/up (rig $RIG_ID); scripts/rig/down removes it"
@@ -114,8 +124,12 @@ is_live() {
 # rig_procs : pids of server processes (and their initdb/bootstrap runs) whose
 # command line names a path in this rig dir. An up killed half-way may have
 # started a server that has not written its pid file yet; down finds it here.
-rig_procs() {
-    local p pid prog arg ours
+rig_procs() { procs_under "$RIG_DIR"; }
+
+# procs_under DIR [EXCEPT] : the same for any path inside DIR and not inside EXCEPT
+# (down asks it whether another rig still runs below a directory it would chmod o-x).
+procs_under() {
+    local dir="$1" except="${2:-}" p pid prog arg ours
     for p in /proc/[0-9]*; do
         pid="${p#/proc/}"
         [ "$pid" != "$$" ] || continue
@@ -126,7 +140,11 @@ rig_procs() {
                 case "$prog" in mariadbd|mysqld|postgres|postmaster|initdb|pg_ctl) ;; *) break ;; esac
                 continue
             fi
-            case "$arg" in "$RIG_DIR"/*|*="$RIG_DIR"/*) ours=1; break ;; esac
+            case "$arg" in "$dir"/*|*="$dir"/*) ;; *) continue ;; esac
+            if [ -n "$except" ]; then
+                case "$arg" in "$except"/*|*="$except"/*) continue ;; esac
+            fi
+            ours=1; break
         done <"$p/cmdline" 2>/dev/null
         [ "$ours" = 1 ] && is_live "$pid" && echo "$pid"
     done

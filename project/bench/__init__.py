@@ -1,0 +1,1 @@
+"""The example project's benchmark of events_ledger: ``manage.py ledger_bench``."""

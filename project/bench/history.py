@@ -1,0 +1,164 @@
+"""The idle sweep over history: what must cost the same over a million rows as over ten thousand."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connection as default_connection
+from django.test.utils import CaptureQueriesContext
+
+from events_ledger.cleanup import sweep
+from events_ledger.models import EventRun, EventRunResource
+
+from .meter import measured
+
+# The backends' own attributes (mysql_is_mariadb, ...) are not in the stubs.
+connection: Any = default_connection
+Res = EventRunResource.objects
+#: Each scan is timed this many times; the median is reported.
+REPEATS = 15
+
+
+def _reconcile_scan() -> None:
+    for owner in Res.modules_with_live_rows():
+        Res.live_for_module(owner)
+
+
+def _console_run_list() -> None:
+    list(EventRun.objects.with_unresolved_count().order_by("-pk")[:100])
+
+
+SCANS: dict[str, Callable[[], Any]] = {
+    "idle_sweep": sweep,
+    "reconcile_scan": _reconcile_scan,
+    "console_run_list": _console_run_list,
+}
+
+
+def idle_sweeps(sizes: list[int], scope: str) -> dict[str, Any]:
+    """Time each scan over ``sizes`` historical (reverted) rows, in one run of ``scope``."""
+    holder = EventRun.objects.create(
+        name="bench history", scope=scope, status="completed", cleanup_status="complete"
+    )
+    out: dict[str, Any] = {"sizes": {}}
+    filled = 0
+    for size in sorted(sizes):
+        with measured() as filling:
+            fill(holder.pk, filled, size - filled)
+        filled = size
+        analyze()
+        figures: dict[str, Any] = {"fill_seconds": filling.seconds, "full_scans": []}
+        for name, scan in SCANS.items():
+            timings = []
+            for _ in range(REPEATS):
+                with measured() as one:
+                    scan()
+                timings.append(one.seconds)
+            figures[f"{name}_ms_median"] = statistics.median(timings) * 1000
+            figures[f"{name}_statements"] = one.statements
+            figures["full_scans"] += [f"{name}: {sql}" for sql in full_scans(scan)]
+        out["sizes"][str(size)] = figures
+    first, last = list(out["sizes"].values())[0], list(out["sizes"].values())[-1]
+    out["ratio"] = {
+        name: (last[f"{name}_ms_median"] / first[f"{name}_ms_median"])
+        if first[f"{name}_ms_median"]
+        else None
+        for name in SCANS
+    }
+    return out
+
+
+def fill(run_id: int, start: int, count: int) -> None:
+    """Historical (reverted) rows, in one statement."""
+    if count <= 0:
+        return
+    table = EventRunResource._meta.db_table
+    cols = "run_id, owner_module, kind, ref, status, revert_attempts, claim_count, created_at, updated_at"
+    vendor = connection.vendor
+    with connection.cursor() as cursor:
+        if vendor == "mysql" and connection.mysql_is_mariadb:
+            cursor.execute(
+                f"INSERT INTO {table} ({cols}) SELECT %s, 'bench', 'old', CONCAT('h-', seq), 'reverted', 0, 0, "
+                f"UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) FROM seq_{start + 1}_to_{start + count}",
+                [run_id],
+            )
+        elif vendor == "mysql":
+            cursor.execute("SET SESSION cte_max_recursion_depth = %s", [count + 10])
+            cursor.execute(
+                f"INSERT INTO {table} ({cols}) WITH RECURSIVE s(n) AS (SELECT %s UNION ALL SELECT n + 1 FROM s "
+                f"WHERE n < %s) SELECT %s, 'bench', 'old', CONCAT('h-', n), 'reverted', 0, 0, UTC_TIMESTAMP(6), "
+                f"UTC_TIMESTAMP(6) FROM s",
+                [start + 1, start + count, run_id],
+            )
+        elif vendor == "postgresql":
+            cursor.execute(
+                f"INSERT INTO {table} ({cols}) SELECT %s, 'bench', 'old', 'h-' || n, 'reverted', 0, 0, now(), now() "
+                f"FROM generate_series(%s, %s) AS n",
+                [run_id, start + 1, start + count],
+            )
+        else:
+            cursor.execute(
+                f"INSERT INTO {table} ({cols}) WITH RECURSIVE s(n) AS (SELECT %s UNION ALL SELECT n + 1 FROM s "
+                f"WHERE n < %s) SELECT %s, 'bench', 'old', 'h-' || n, 'reverted', 0, 0, "
+                f"STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now'), STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now') FROM s",
+                [start + 1, start + count, run_id],
+            )
+
+
+def analyze() -> None:
+    with connection.cursor() as cursor:
+        for model in (EventRunResource, EventRun):
+            table = model._meta.db_table
+            cursor.execute(
+                f"ANALYZE TABLE {table}" if connection.vendor == "mysql" else f"ANALYZE {table}"
+            )
+            if connection.vendor == "mysql":
+                cursor.fetchall()
+
+
+def _names(sql: str, table: str) -> set[str]:
+    """The resource table's name and every alias the statement gives it (Django's
+    subqueries say ``"events_ledger_eventrunresource" U0``); plans name the alias."""
+    aliases = re.findall(rf'[`"]?{table}[`"]?\s+(?:AS\s+)?[`"]?(\w+)[`"]?', sql, re.IGNORECASE)
+    keywords = {"where", "on", "inner", "left", "join", "group", "order", "limit", "set"}
+    return {table} | {a for a in aliases if a.lower() not in keywords}
+
+
+def full_scans(scan: Callable[[], Any]) -> list[str]:
+    """EXPLAIN each statement of a scan; name those that read the whole resource table,
+    or the whole of one of its indexes (as slow, for a table of a million rows)."""
+    with CaptureQueriesContext(connection) as captured:
+        scan()
+    table = EventRunResource._meta.db_table
+    found = []
+    with connection.cursor() as cursor:
+        for query in captured.captured_queries:
+            sql = query["sql"]
+            if not sql.lstrip().upper().startswith(("SELECT", "UPDATE")):
+                continue
+            names = _names(sql, table)
+            if connection.vendor == "mysql":
+                cursor.execute("EXPLAIN " + sql)
+                columns = [c[0] for c in cursor.description]
+                for row in cursor.fetchall():
+                    plan = dict(zip(columns, row, strict=True))
+                    # ALL reads every row; index reads every entry of an index.
+                    if plan.get("table") in names and plan.get("type") in ("ALL", "index"):
+                        found.append(sql[:120])
+            elif connection.vendor == "postgresql":
+                cursor.execute("EXPLAIN " + sql)
+                text = "\n".join(r[0] for r in cursor.fetchall())
+                if f"Seq Scan on {table}" in text:
+                    found.append(sql[:120])
+            else:
+                cursor.execute("EXPLAIN QUERY PLAN " + sql)
+                for row in cursor.fetchall():
+                    # SQLite says SEARCH for a seek; SCAN reads a whole table, or a
+                    # whole index of it ("USING [COVERING] INDEX"), which is as bad.
+                    words = str(row[-1]).split()
+                    if words[:1] == ["SCAN"] and len(words) > 1 and words[1] in names:
+                        found.append(sql[:120])
+    return found
