@@ -16,7 +16,19 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, connections, models
-from django.db.models import Case, Count, Exists, F, OuterRef, Q, Value, When
+from django.db.models import (
+    BooleanField,
+    Case,
+    Count,
+    Exists,
+    ExpressionWrapper,
+    F,
+    OuterRef,
+    Q,
+    Value,
+    When,
+)
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Greatest
 
 from .conf import ledger_settings
@@ -31,6 +43,8 @@ ERROR_LIMIT = 500
 LONG_AGO = datetime(2000, 1, 1, tzinfo=UTC)
 DEFAULT_REVERT_ERROR = "the revert did not succeed and gave no reason"
 RELEASED_UNCLEAN = ("orphaned", "drifted")
+#: The resource index whose ranges hold only unresolved and live rows (see models.py).
+STATUS_INDEX = "evres_status_owner_idx"
 _UNSET: Any = object()
 
 
@@ -51,6 +65,27 @@ def new_token() -> str:
 def cut_error(error: object, default: str = DEFAULT_REVERT_ERROR) -> str:
     text = "" if error is None else storable(error)
     return (text or default)[:ERROR_LIMIT]
+
+
+def _runs_of(rows: models.QuerySet) -> Any:
+    """The ids of the runs of ``rows`` (filtered on an unresolved ``status``), as a
+    subquery read through the row status index: released rows are outside its range,
+    so this costs what is unresolved, not the history.
+
+    SQLite, once ANALYZE has seen a history of released rows, judges that index
+    unselective and reads a whole index instead (190 ms a pass at 1,000,000 rows,
+    against 0.6 ms), so there it is told which index to use."""
+    run_ids = rows.order_by().values("run_id")
+    conn = connections[rows.db]
+    if conn.vendor != "sqlite":
+        return run_ids
+    sql, params = run_ids.query.sql_with_params()
+    table = conn.ops.quote_name(rows.model._meta.db_table)
+    hinted = sql.replace(
+        f"FROM {table}", f"FROM {table} INDEXED BY {conn.ops.quote_name(STATUS_INDEX)}", 1
+    )
+    assert hinted != sql, sql
+    return RawSQL(hinted, params)
 
 
 # ── runs ──────────────────────────────────────────────────────────────────────
@@ -183,7 +218,7 @@ class EventRunQuerySet(models.QuerySet):
             self.terminal()
             .filter(
                 cleanup_status__in=("complete", "not_required"),
-                pk__in=rows.filter(status__in=UNRESOLVED).values("run_id"),
+                pk__in=_runs_of(rows.filter(status__in=UNRESOLVED)),
             )
             .values_list("pk", flat=True)
         )
@@ -891,7 +926,7 @@ class EventRunResourceQuerySet(models.QuerySet):
 
         owing = self.retryable(max_attempts, max_claims)
         runs = EventRun.objects.terminal().filter(
-            cleanup_status__in=("pending", "not_required"), pk__in=owing.values("run_id")
+            cleanup_status__in=("pending", "not_required"), pk__in=_runs_of(owing)
         )
         if step_ttl is None:
             return list(runs.order_by("pk")[:limit])
@@ -900,10 +935,11 @@ class EventRunResourceQuerySet(models.QuerySet):
         # to report what it waits for). Taking it first on every pass would starve the
         # runs behind it once a batch's worth of steps hang.
         steps = self.model._meta.get_field("step").related_model._default_manager
-        ready = owing.filter(run_id=OuterRef("pk")).exclude(
-            Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id")))
-        )
-        return list(runs.alias(ready=Exists(ready)).order_by(F("ready").desc(), "pk")[:limit])
+        ready = owing.exclude(Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id"))))
+        # An IN of the ready rows' runs, not a correlated EXISTS per run: MariaDB planned
+        # that as a read of every step.
+        first = ExpressionWrapper(Q(pk__in=_runs_of(ready)), output_field=BooleanField())
+        return list(runs.alias(ready=first).order_by(F("ready").desc(), "pk")[:limit])
 
 
 class EventRunLogManager(models.Manager["EventRunLog"]):

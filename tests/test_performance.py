@@ -71,20 +71,10 @@ def test_ledger_bench_runs_and_cleans_up_after_itself():  # bench
 
 
 @pytest.mark.django_db(transaction=True)
-def test_an_idle_sweep_plans_no_read_of_the_whole_resource_table(vendor, request):  # C5
+def test_an_idle_sweep_plans_no_read_of_the_whole_resource_table():  # C5
     from project.bench import history
 
-    if vendor == "sqlite":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="SQLite plans the summaries' repair (terminal runs whose summary is "
-                "complete, id IN the runs of unresolved rows) as a scan of the whole "
-                "evres_run_status_idx: 180-240 ms an idle pass at 1,000,000 rows",
-            )
-        )
-    holder = RunFactory(status="completed", cleanup_status="complete")
-    history.fill(holder.pk, 0, 20_000)
+    history.fill("history", 0, 20_000)
     history.analyze()
     # EXPLAIN of every statement of an idle sweep over 20,000 historical rows.
     assert history.full_scans(sweep) == []
