@@ -28,6 +28,8 @@ _EXPORTS = {
     "reconcile_module": "cleanup",
     "reconcile_all": "cleanup",
     "RunNotTerminal": "cleanup",
+    # #15: operating it
+    "log_context": "logcontext",
 }
 
 

@@ -272,7 +272,7 @@ class EventRunAdmin(LedgerAdmin):
             self.message_user(request, f"Refused: {exc}", messages.ERROR)
             return
         except Exception as exc:  # one run's failure must not hide the others' results
-            logger.exception("retry of run %s failed", run.pk)
+            logger.exception("retry of run %s failed", run.pk, extra={"run_id": run.pk})
             failure = f"run {run.pk}: the retry failed: {type(exc).__name__}: {exc}"
             self.message_user(request, failure, messages.ERROR)
             return

@@ -13,8 +13,11 @@ class EventsLedgerConfig(AppConfig):
 
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
+        from .logcontext import install as install_log_context
         from .registry import autodiscover
 
         # Here, not in admin.py: a cron process that never imports the admin must see
         # the same actions as the web process.
         autodiscover()
+        # #15: every record of the app carries run_id, step_id, action and owner.
+        install_log_context()

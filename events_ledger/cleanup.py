@@ -24,6 +24,7 @@ from .db import (
 )
 from .deadline import CallResult, call_all, call_with_deadline
 from .envelopes import Verdict, classify_revert, describe
+from .logcontext import log_context
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from .registry import Action
 from .registry import default_registry as registry
@@ -323,7 +324,7 @@ def cleanup_run(
     run = _run(run)
     if run.status not in EventRun.TERMINAL:
         raise RunNotTerminal(f"run {run.pk} is {run.status}: only a finished run is cleaned up")
-    with statements_retried():
+    with statements_retried(), log_context(run_id=run.pk):  # #15: log context
         reset = None
         if reset_attempts:
             # The human's licence and its record land together: a pass killed after the
@@ -447,11 +448,15 @@ def _claim(
 def _given_back(group: Group, rows: list[EventRunResource]) -> Verdict:
     # One lane's failure is its verdict, never the pass's: the other lanes' calls have
     # been made, and their answers must be written.
-    try:
-        return _give_back(group, rows)
-    except Exception as exc:
-        logger.exception("giving back %s failed", group.what)
-        return Verdict("retry", storable(f"giving back failed: {type(exc).__name__}: {exc}"))
+    step_id = rows[0].step_id if group.lease_ref is None else None
+    with log_context(  # #15: log context
+        run_id=group.run_id, step_id=step_id, action=group.what, owner=rows[0].owner_module
+    ):
+        try:
+            return _give_back(group, rows)
+        except Exception as exc:
+            logger.exception("giving back %s failed", group.what)
+            return Verdict("retry", storable(f"giving back failed: {type(exc).__name__}: {exc}"))
 
 
 @dataclass
@@ -750,7 +755,7 @@ def _one_by_one(
         try:
             report.runs.append(cleanup_run(run))
         except Exception as exc:
-            logger.exception("cleanup of run %s failed", run.pk)
+            logger.exception("cleanup of run %s failed", run.pk, extra={"run_id": run.pk})  # #15
             report.errors[run.pk] = _error_text(exc)
             if isinstance(exc, DatabaseError) and _drop_if_dead(exc):
                 continue
@@ -823,7 +828,7 @@ def reconcile_module(
     nothing is orphaned unless ``force``: a half-started world that answers "I have
     nothing" must not wipe the ledger.
     """
-    with statements_retried():
+    with statements_retried(), log_context(owner=owner):  # #15: log context
         return _reconcile(owner, force, max_fraction)
 
 
@@ -857,7 +862,12 @@ def _reconcile(owner: str, force: bool, max_fraction: float | None) -> Reconcile
             summary.unanswered += len(group.rows)
             error = storable(call.message or f"{action.id}.reconcile answered {describe(answer)}")
             summary.errors.append(error)
-            logger.warning("reconcile of %s unanswered: %s", action.id, error)
+            context = {
+                "run_id": group.run_id,
+                "step_id": group.rows[0].step_id,
+                "action": action.id,
+            }
+            logger.warning("reconcile of %s unanswered: %s", action.id, error, extra=context)  # #15
             continue
         summary.asked += len(group.rows)
         in_force = {str(ref) for ref in answer["in_force"]}

@@ -17,6 +17,7 @@ from .db import bounded, in_transaction, statements_retried, storable, storable_
 from .deadline import CallResult, call_with_deadline
 from .envelopes import describe, is_success
 from .inflight import keeper, process_name
+from .logcontext import bind, log_context
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from .registry import LEASE_ACTION_ID, Action
 from .registry import default_registry as registry
@@ -382,7 +383,7 @@ def execute_step(step_or_id: EventRunStep | int) -> StepResult:
     waits), and its answer, when it comes, is recorded and the step settled.
     """
     step_id: int = step_or_id.pk if isinstance(step_or_id, EventRunStep) else int(step_or_id)
-    with statements_retried():
+    with statements_retried(), log_context(step_id=step_id):  # #15: log context
         return _claim_and_execute(step_id)
 
 
@@ -421,6 +422,7 @@ def _begin(step_id: int) -> _Begun | StepResult:
         raise EventRunStep.DoesNotExist(f"there is no step {step_id}")
     run = step.run
     action = registry.action(step.action_id)
+    bind(run_id=run.pk, action=step.action_id, owner=action.owner if action else None)  # #15
     if (
         action is not None
         and action.reversible in LEDGERED
