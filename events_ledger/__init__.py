@@ -29,6 +29,7 @@ _EXPORTS = {
     "reconcile_all": "cleanup",
     "RunNotTerminal": "cleanup",
     # #15: operating it
+    "signals": "signals",
     "log_context": "logcontext",
 }
 

@@ -12,6 +12,7 @@ from typing import Any
 from django.db import DatabaseError, connection, transaction
 from django.db.models import Exists, OuterRef
 
+from . import signals
 from .conf import ledger_settings
 from .db import (
     bounded,
@@ -396,6 +397,8 @@ def _work_runs(
         raise
     finally:
         log.flush()
+    # ── #15: the signals of what the verdict transaction committed ──
+    signals.cleanup_done(runs, settled, lanes)
     return [settled[run.pk] for run in runs]
 
 
@@ -715,6 +718,7 @@ def _sweep(limit: int | None, should_stop: Callable[[], bool] | None) -> SweepRe
     _hand_back_unfinished()
     try:
         report.repaired_runs = EventRun.objects.repair_cleanup_summaries(max_attempts, max_claims)
+        signals.summaries_repaired(report.repaired_runs)  # #15: after the repair's commit
     except DatabaseError as exc:
         logger.exception("repairing cleanup summaries failed; the pass goes on without it")
         report.repair_error = f"{type(exc).__name__}: {exc}"
@@ -918,6 +922,7 @@ def _reconcile(owner: str, force: bool, max_fraction: float | None) -> Reconcile
                 for run_id, refs in by_run.items()
             ]
         )
+        signals.orphaned(owner, [row for row, _ in missing])  # #15: after the commit
     return summary
 
 

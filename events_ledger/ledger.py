@@ -12,6 +12,7 @@ from django.db import connection
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from . import signals
 from .conf import ledger_settings
 from .db import bounded, in_transaction, statements_retried, storable, storable_json
 from .deadline import CallResult, call_with_deadline
@@ -591,6 +592,8 @@ def _settle(
         logger.warning(
             "step %s: a newer claim took it over; outcome %s not written", step.pk, result.outcome
         )
+    elif status == "failed":
+        signals.step_failed_for_good(step, error)  # #15: sent at the outcome's commit
     if result.outcome == "done" and not result.rejected and not late:
         # A clean success is on the step row itself; the run's log keeps what an
         # operator must read (retries, failures, refusals, dropped resources).
