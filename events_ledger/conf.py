@@ -27,9 +27,19 @@ DEFAULTS: dict[str, Any] = {
     "STEP_CLAIM_TTL": timedelta(minutes=15),
     # C6 safety bound: one reconcile answer may orphan at most this share of a module's rows.
     "RECONCILE_MAX_ORPHAN_FRACTION": 0.5,
+    # #15: the health check and `ledger_status` call the ledger unhealthy when an
+    # unresolved row is older than this (rows of runs still going count too, so a run
+    # stuck in `running` is caught: choose it above your longest run).
+    "HEALTH_MAX_UNRESOLVED_AGE": timedelta(days=1),
 }
 
-_DURATIONS = {"REVERT_CLAIM_TTL", "DEFAULT_REVERT_BUDGET", "STEP_CLAIM_TTL"}
+_DURATIONS = {
+    "REVERT_CLAIM_TTL",
+    "DEFAULT_REVERT_BUDGET",
+    "STEP_CLAIM_TTL",
+    "HEALTH_MAX_UNRESOLVED_AGE",
+}
+
 _POSITIVE_INTS = {
     "MAX_REVERT_ATTEMPTS",
     "MAX_CLAIMS_WITHOUT_VERDICT",
