@@ -30,6 +30,8 @@ _EXPORTS = {
     "RunNotTerminal": "cleanup",
     # #15: operating it
     "signals": "signals",
+    "snapshot": "status",
+    "LedgerStatus": "status",
     "log_context": "logcontext",
 }
 
