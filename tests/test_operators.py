@@ -800,3 +800,33 @@ def test_a_runs_page_draws_its_steps_and_its_resources_lives(admin_client):  # #
     assert 'id="el-timeline"' in html and "creature:wolf-1" in html and "creature:wolf-2" in html
     assert all(timeline.left <= lane.x <= timeline.width for lane in timeline.lanes)
     assert given.pk and held.pk
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_sweepers_counters_reach_the_view_in_multiprocess_mode(world, tmp_path, monkeypatch):
+    # #15: counters of what a process did, served by another (the cron's, by the web's)
+    import subprocess
+
+    from events_ledger.metrics import render
+    from tests.helpers import finished_run as spawned_and_cancelled
+    from tests.processes import ROOT, child_env
+
+    spawned_and_cancelled(3)
+    env = {**child_env(), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "manage.py", "cleanup_runs"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "reverted 3" in done.stdout, done.stdout + done.stderr
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    body, _ = render("text/plain")
+    families = metric_families(body.decode())
+    assert samples(families, "events_ledger_resources_reverted")[()] == 3
+    calls = samples(families, "events_ledger_module_call_seconds")
+    assert calls[(("call", "world.spawn.revert"), ("le", "+Inf"), ("outcome", "answered"))] == 1
+    assert "events_ledger_runs" in families  # the database's gauges beside them
