@@ -195,45 +195,34 @@ def run_timeline(
 
     lanes: list[Lane] = []
     y = float(head)
+
+    def add(
+        kind: str, label: str, status: str, start: datetime, end: datetime, still: bool, title: str
+    ) -> None:
+        nonlocal y
+        a, b = x_of(start), x_of(end)
+        # At least 3 pixels: a life of a millisecond is still seen.
+        lanes.append(Lane(kind, _cut(label, 34), status, y, a, max(b - a, 3.0), still, title))
+        y += lane
+
     steps_y = y
     for s in shown_steps:
         end, still = step_end(s)
-        a, b = x_of(s.created_at), x_of(end)
-        lanes.append(
-            Lane(
-                "step",
-                _cut(f"step {s.seq} · {s.action_id}", 34),
-                s.status,
-                y,
-                a,
-                max(b - a, 3.0),
-                still,
-                f"step {s.pk} {s.action_id}: {s.status}, attempt {s.attempts}; "
-                f"{_when(s.created_at)} → {'still ' + s.status if still else _when(end)}",
-            )
+        title = (
+            f"step {s.pk} {s.action_id}: {s.status}, attempt {s.attempts}; "
+            f"{_when(s.created_at)} → {'still ' + s.status if still else _when(end)}"
         )
-        y += lane
+        add("step", f"step {s.seq} · {s.action_id}", s.status, s.created_at, end, still, title)
     rows_y = None
     if shown_rows:
         y += 10 if shown_steps else 0
         rows_y = y
     for r in shown_rows:
         end, held = row_end(r)
-        a, b = x_of(r.created_at), x_of(end)
-        lanes.append(
-            Lane(
-                "resource",
-                _cut(f"{r.kind}:{r.ref}", 34),
-                r.status,
-                y,
-                a,
-                max(b - a, 3.0),
-                held,
-                f"{r.owner_module} {r.kind}:{r.ref}: recorded {_when(r.created_at)}, "
-                + (f"still {r.status}" if held else f"{r.status} {_when(end)}"),
-            )
+        title = f"{r.owner_module} {r.kind}:{r.ref}: recorded {_when(r.created_at)}, " + (
+            f"still {r.status}" if held else f"{r.status} {_when(end)}"
         )
-        y += lane
+        add("resource", f"{r.kind}:{r.ref}", r.status, r.created_at, end, held, title)
     ticks = [
         (x_of(t0 + (t1 - t0) * i / 4), _when(t0 + (t1 - t0) * i / 4, short=span < 86_400))
         for i in range(5)

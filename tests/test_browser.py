@@ -41,6 +41,18 @@ def sync_playwright_or_skip():
     return sync_playwright
 
 
+def logged_in(browser, url: str, after: str, scheme: str = "light"):
+    """A page logged in as the test's operator, at ``after``."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900}, color_scheme=scheme)
+    page.set_default_timeout(30_000)
+    page.goto(f"{url}/admin/login/?next={after}")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", "pw-operator")
+    page.click("input[type=submit]")
+    page.wait_for_url(f"{url}{after}")
+    return page
+
+
 def test_operator_retries_an_incomplete_run(live_server, world, django_user_model):  # S3, C4
     sync_playwright = sync_playwright_or_skip()
     run = new_run("Bat swarm", scope="south")
@@ -60,13 +72,7 @@ def test_operator_retries_an_incomplete_run(live_server, world, django_user_mode
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(30_000)
-            page.goto(f"{live_server.url}/admin/login/?next=/admin/events_ledger/eventrun/")
-            page.fill("#id_username", "operator")
-            page.fill("#id_password", "pw-operator")
-            page.click("input[type=submit]")
-            page.wait_for_url(runs)
+            page = logged_in(browser, live_server.url, "/admin/events_ledger/eventrun/")
 
             page.click(f"#result_list a[href$='/eventrun/{run.pk}/change/']")
             banner = page.locator("#el-incomplete")
@@ -164,22 +170,13 @@ def test_operator_reads_the_dashboard_and_a_timeline_in_light_and_dark(
     stuck, timed = _dashboard_world()
     django_user_model.objects.create_superuser("operator", "operator@example.com", "pw-operator")
     ARTIFACTS.mkdir(exist_ok=True)
-    index = f"{live_server.url}/admin/events_ledger/"
 
     # No ORM inside this block (Playwright's sync API runs an event loop in this thread).
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
             for scheme in ("light", "dark"):
-                page = browser.new_page(
-                    viewport={"width": 1280, "height": 900}, color_scheme=scheme
-                )
-                page.set_default_timeout(30_000)
-                page.goto(f"{live_server.url}/admin/login/?next=/admin/events_ledger/")
-                page.fill("#id_username", "operator")
-                page.fill("#id_password", "pw-operator")
-                page.click("input[type=submit]")
-                page.wait_for_url(index)
+                page = logged_in(browser, live_server.url, "/admin/events_ledger/", scheme)
                 page.locator("#el-dashboard").wait_for()
                 assert "Needs a human" in page.inner_text("#el-health")
                 assert f"run {stuck.pk}" in page.inner_text("#el-health")
