@@ -28,6 +28,11 @@ _EXPORTS = {
     "reconcile_module": "cleanup",
     "reconcile_all": "cleanup",
     "RunNotTerminal": "cleanup",
+    # #15: operating it
+    "signals": "signals",
+    "snapshot": "status",
+    "LedgerStatus": "status",
+    "log_context": "logcontext",
 }
 
 

@@ -22,6 +22,7 @@ from django.utils.html import format_html
 
 from .cleanup import Group, RunNotTerminal, cleanup_run, plan_run, reconcile_module
 from .conf import ledger_settings
+from .dashboard import run_timeline
 from .models import EventRun, EventRunResource
 from .querysets import EventRunQuerySet, EventRunResourceQuerySet
 from .states import UNRESOLVED
@@ -225,10 +226,14 @@ class EventRunAdmin(LedgerAdmin):
             rows = list(Res.for_run(obj)[:PAGE_LIMIT])
             log = list(obj.log.order_by("-created_at", "-pk")[:PAGE_LIMIT])
             incomplete = obj.cleanup_status == "incomplete"
+            steps = list(obj.steps.all())
+            total = Res.filter(run=obj).count()
             context.update(
-                steps=obj.steps.all(),
+                steps=steps,
+                # #15: the same steps and rows, drawn on one time axis.
+                timeline=run_timeline(obj, steps, rows, total_rows=total),
                 ledger=[(r, when(claim_stamp(r)) if r.status == "reverting" else "") for r in rows],
-                ledger_total=Res.filter(run=obj).count(),
+                ledger_total=total,
                 log=[(e, as_json(e.detail)) for e in log],
                 stuck=list(Res.unresolved_for_run(obj)) if incomplete else [],
                 can_retry=self.has_retry_cleanup_permission(request) and obj.is_terminal,
@@ -272,7 +277,7 @@ class EventRunAdmin(LedgerAdmin):
             self.message_user(request, f"Refused: {exc}", messages.ERROR)
             return
         except Exception as exc:  # one run's failure must not hide the others' results
-            logger.exception("retry of run %s failed", run.pk)
+            logger.exception("retry of run %s failed", run.pk, extra={"run_id": run.pk})
             failure = f"run {run.pk}: the retry failed: {type(exc).__name__}: {exc}"
             self.message_user(request, failure, messages.ERROR)
             return

@@ -18,6 +18,7 @@ E005 = "events_ledger.E005"  # action without perform
 E006 = "events_ledger.E006"  # bad setting
 E007 = "events_ledger.E007"  # a budget as long as a claim's TTL
 E008 = "events_ledger.E008"  # an owner name longer than the ledger's column
+E009 = "events_ledger.E009"  # a metrics token without prometheus_client
 
 #: The ``owner_module`` column's length: a longer owner would be cut by MySQL's
 #: ``INSERT IGNORE`` (rows filed under another owner) and refused by PostgreSQL.
@@ -135,4 +136,26 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
             getattr(ledger_settings, key)
         except ImproperlyConfigured as exc:
             messages.append(Error(str(exc), id=E006))
-    return messages
+    return messages + _feature_errors()
+
+
+def _feature_errors() -> list[Any]:
+    """#15: a feature configured without the package it needs fails at start-up, by
+    name, not at the first scrape."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from .metrics import INSTALL_HINT, counters_available
+
+    try:
+        token = ledger_settings.METRICS_TOKEN
+    except ImproperlyConfigured:
+        return []  # reported above
+    if token is not None and not counters_available():
+        return [
+            Error(
+                "EVENTS_LEDGER['METRICS_TOKEN'] is set, but prometheus_client is not installed.",
+                hint=f"The metrics view needs it: {INSTALL_HINT}",
+                id=E009,
+            )
+        ]
+    return []

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from django.db import DatabaseError, connection, transaction
 from django.db.models import Exists, OuterRef
 
+from . import signals
 from .conf import ledger_settings
 from .db import (
     bounded,
@@ -24,6 +25,7 @@ from .db import (
 )
 from .deadline import CallResult, call_all, call_with_deadline
 from .envelopes import Verdict, classify_revert, describe
+from .logcontext import log_context
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from .registry import Action
 from .registry import default_registry as registry
@@ -324,7 +326,7 @@ def cleanup_run(
     run = _run(run)
     if run.status not in EventRun.TERMINAL:
         raise RunNotTerminal(f"run {run.pk} is {run.status}: only a finished run is cleaned up")
-    with statements_retried():
+    with statements_retried(), log_context(run_id=run.pk):  # #15: log context
         reset = None
         if reset_attempts:
             # The human's licence and its record land together: a pass killed after the
@@ -396,6 +398,8 @@ def _work_runs(
         raise
     finally:
         log.flush()
+    # ── #15: the signals of what the verdict transaction committed ──
+    signals.cleanup_done(runs, settled, lanes)
     return [settled[run.pk] for run in runs]
 
 
@@ -463,11 +467,15 @@ def _claim(
 def _given_back(group: Group, rows: list[EventRunResource]) -> Verdict:
     # One lane's failure is its verdict, never the pass's: the other lanes' calls have
     # been made, and their answers must be written.
-    try:
-        return _give_back(group, rows)
-    except Exception as exc:
-        logger.exception("giving back %s failed", group.what)
-        return Verdict("retry", storable(f"giving back failed: {type(exc).__name__}: {exc}"))
+    step_id = rows[0].step_id if group.lease_ref is None else None
+    with log_context(  # #15: log context
+        run_id=group.run_id, step_id=step_id, action=group.what, owner=rows[0].owner_module
+    ):
+        try:
+            return _give_back(group, rows)
+        except Exception as exc:
+            logger.exception("giving back %s failed", group.what)
+            return Verdict("retry", storable(f"giving back failed: {type(exc).__name__}: {exc}"))
 
 
 @dataclass
@@ -726,6 +734,7 @@ def _sweep(limit: int | None, should_stop: Callable[[], bool] | None) -> SweepRe
     _hand_back_unfinished()
     try:
         report.repaired_runs = EventRun.objects.repair_cleanup_summaries(max_attempts, max_claims)
+        signals.summaries_repaired(report.repaired_runs)  # #15: after the repair's commit
     except DatabaseError as exc:
         logger.exception("repairing cleanup summaries failed; the pass goes on without it")
         report.repair_error = f"{type(exc).__name__}: {exc}"
@@ -766,7 +775,7 @@ def _one_by_one(
         try:
             report.runs.append(cleanup_run(run))
         except Exception as exc:
-            logger.exception("cleanup of run %s failed", run.pk)
+            logger.exception("cleanup of run %s failed", run.pk, extra={"run_id": run.pk})  # #15
             report.errors[run.pk] = _error_text(exc)
             if isinstance(exc, DatabaseError) and _drop_if_dead(exc):
                 continue
@@ -839,7 +848,7 @@ def reconcile_module(
     nothing is orphaned unless ``force``: a half-started world that answers "I have
     nothing" must not wipe the ledger.
     """
-    with statements_retried():
+    with statements_retried(), log_context(owner=owner):  # #15: log context
         return _reconcile(owner, force, max_fraction)
 
 
@@ -873,7 +882,12 @@ def _reconcile(owner: str, force: bool, max_fraction: float | None) -> Reconcile
             summary.unanswered += len(group.rows)
             error = storable(call.message or f"{action.id}.reconcile answered {describe(answer)}")
             summary.errors.append(error)
-            logger.warning("reconcile of %s unanswered: %s", action.id, error)
+            context = {
+                "run_id": group.run_id,
+                "step_id": group.rows[0].step_id,
+                "action": action.id,
+            }
+            logger.warning("reconcile of %s unanswered: %s", action.id, error, extra=context)  # #15
             continue
         summary.asked += len(group.rows)
         in_force = {str(ref) for ref in answer["in_force"]}
@@ -924,6 +938,7 @@ def _reconcile(owner: str, force: bool, max_fraction: float | None) -> Reconcile
                 for run_id, refs in by_run.items()
             ]
         )
+        signals.orphaned(owner, [row for row, _ in missing])  # #15: after the commit
     return summary
 
 

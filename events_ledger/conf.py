@@ -27,9 +27,23 @@ DEFAULTS: dict[str, Any] = {
     "STEP_CLAIM_TTL": timedelta(minutes=15),
     # C6 safety bound: one reconcile answer may orphan at most this share of a module's rows.
     "RECONCILE_MAX_ORPHAN_FRACTION": 0.5,
+    # #15: the health check and `ledger_status` call the ledger unhealthy when an
+    # unresolved row is older than this (rows of runs still going count too, so a run
+    # stuck in `running` is caught: choose it above your longest run).
+    "HEALTH_MAX_UNRESOLVED_AGE": timedelta(days=1),
+    # #15: a bearer token that may read the metrics view besides a staff session; None:
+    # staff only. A secret, so read it from the environment.
+    "METRICS_TOKEN": None,
 }
 
-_DURATIONS = {"REVERT_CLAIM_TTL", "DEFAULT_REVERT_BUDGET", "STEP_CLAIM_TTL"}
+_DURATIONS = {
+    "REVERT_CLAIM_TTL",
+    "DEFAULT_REVERT_BUDGET",
+    "STEP_CLAIM_TTL",
+    "HEALTH_MAX_UNRESOLVED_AGE",
+}
+#: A shorter bearer token is guessable; the check says so at start-up.
+MIN_TOKEN_LENGTH = 16
 _POSITIVE_INTS = {
     "MAX_REVERT_ATTEMPTS",
     "MAX_CLAIMS_WITHOUT_VERDICT",
@@ -86,6 +100,14 @@ def _validate(name: str, value: Any) -> Any:
                 f"EVENTS_LEDGER[{name!r}] must be a number from 0 to 1, not {value!r}."
             )
         return float(value)
+    if name == "METRICS_TOKEN":
+        if value is not None and (not isinstance(value, str) or len(value) < MIN_TOKEN_LENGTH):
+            shown = f"{len(value)} characters" if isinstance(value, str) else repr(value)
+            raise ImproperlyConfigured(
+                f"EVENTS_LEDGER[{name!r}] must be None or a string of at least "
+                f"{MIN_TOKEN_LENGTH} characters, not {shown}."
+            )
+        return value
     return value
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,6 +60,19 @@ def _note_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
 
 connection_created.connect(_note_connection, dispatch_uid="events_ledger.deadline")
 
+#: #15: told ``(what, seconds, outcome)`` of every module call: ``answered`` or ``raised``
+#: when it ends (also after its deadline), ``overdue`` when its deadline passes. The
+#: process's metrics are kept this way, in one place rather than at every call site.
+call_observers: list[Callable[[str, float, str], None]] = []
+
+
+def _observe(what: str, seconds: float, outcome: str) -> None:
+    for observer in list(call_observers):
+        try:
+            observer(what, seconds, outcome)
+        except Exception:  # bookkeeping must never change a call's answer
+            logger.exception("an observer of module calls failed")
+
 
 def call_with_deadline(
     fn: Callable[[], Any],
@@ -85,6 +100,7 @@ def call_with_deadline(
         _watched.opened = box["opened"]
         value: Any = None
         error: BaseException | None = None
+        started = time.monotonic()
         try:
             value = fn()
         except BaseException as exc:  # a module may raise anything; it is an answer
@@ -92,6 +108,7 @@ def call_with_deadline(
         finally:
             _watched.opened = None
             _close_connections()
+        _observe(what, time.monotonic() - started, "raised" if error is not None else "answered")
         with lock:
             box["value"], box["error"], box["opened"] = value, error, []
             abandoned = box["state"] == "abandoned"
@@ -104,7 +121,14 @@ def call_with_deadline(
             finally:
                 _close_connections()
 
-    worker = threading.Thread(target=target, name=f"events-ledger:{what}", daemon=True)
+    # The caller's context goes with the call (#15): the log context of the step or run it
+    # serves, also in a late answer's handling.
+    worker = threading.Thread(
+        target=contextvars.copy_context().run,
+        args=(target,),
+        name=f"events-ledger:{what}",
+        daemon=True,
+    )
     worker.start()
     try:
         worker.join(budget_s)
@@ -121,6 +145,7 @@ def call_with_deadline(
             )
         box["state"] = "abandoned"
         opened = list(box["opened"])
+    _observe(what, budget_s, "overdue")
     if late is None:
         _abandon(opened)
     # else: the call is still in the world and its answer is awaited; its sessions are
@@ -185,7 +210,8 @@ def call_all(
     with ThreadPoolExecutor(
         max_workers=min(width, len(calls)), thread_name_prefix="events-ledger:calls"
     ) as pool:
-        futures = [pool.submit(one, call) for call in calls]
+        # Each call in the caller's context (#15: the log context of the pass).
+        futures = [pool.submit(contextvars.copy_context().run, one, call) for call in calls]
     return [future.result() for future in futures]
 
 

@@ -12,11 +12,13 @@ from django.db import connection
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from . import signals
 from .conf import ledger_settings
 from .db import bounded, in_transaction, statements_retried, storable, storable_json
 from .deadline import CallResult, call_with_deadline
 from .envelopes import describe, is_success
 from .inflight import keeper, process_name
+from .logcontext import bind, log_context
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from .registry import LEASE_ACTION_ID, Action
 from .registry import default_registry as registry
@@ -382,7 +384,7 @@ def execute_step(step_or_id: EventRunStep | int) -> StepResult:
     waits), and its answer, when it comes, is recorded and the step settled.
     """
     step_id: int = step_or_id.pk if isinstance(step_or_id, EventRunStep) else int(step_or_id)
-    with statements_retried():
+    with statements_retried(), log_context(step_id=step_id):  # #15: log context
         return _claim_and_execute(step_id)
 
 
@@ -421,6 +423,7 @@ def _begin(step_id: int) -> _Begun | StepResult:
         raise EventRunStep.DoesNotExist(f"there is no step {step_id}")
     run = step.run
     action = registry.action(step.action_id)
+    bind(run_id=run.pk, action=step.action_id, owner=action.owner if action else None)  # #15
     if (
         action is not None
         and action.reversible in LEDGERED
@@ -589,6 +592,8 @@ def _settle(
         logger.warning(
             "step %s: a newer claim took it over; outcome %s not written", step.pk, result.outcome
         )
+    elif status == "failed":
+        signals.step_failed_for_good(step, error)  # #15: sent at the outcome's commit
     if result.outcome == "done" and not result.rejected and not late:
         # A clean success is on the step row itself; the run's log keeps what an
         # operator must read (retries, failures, refusals, dropped resources).

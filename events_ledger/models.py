@@ -111,6 +111,9 @@ class EventRunStep(models.Model):
             models.Index(fields=["run", "status"], name="evstep_run_status_idx"),
             # The claim keeper re-stamps its claims by token.
             models.Index(fields=["claim_token"], name="evstep_claim_token_idx"),
+            # #15: the steps in flight (metrics, health, dashboard) without reading every
+            # step ever run.
+            models.Index(fields=["status", "claimed_at"], name="evstep_status_claimed_idx"),
         ]
 
     def __str__(self) -> str:

@@ -27,6 +27,8 @@ INSTALLED_APPS = [
     "project.world",
     # The benchmark (manage.py ledger_bench): the host's, not the app's.
     "project.bench",
+    # #15: the health page's HTML template (the check itself is named in urls.py).
+    "health_check",
 ]
 
 MIDDLEWARE = [
@@ -95,12 +97,32 @@ EVENTS_LEDGER = {
     "MAX_REVERT_ATTEMPTS": env.int("EVENT_REVERT_MAX_ATTEMPTS", default=3),
     "CLEANUP_RUN_BATCH": env.int("EVENT_CLEANUP_RUN_BATCH", default=10),
     "CLEANUP_GROUPS_PER_RUN": env.int("EVENT_CLEANUP_GROUPS_PER_RUN", default=25),
+    # #15: Prometheus scrapes /metrics with this token (unset: staff sessions only).
+    "METRICS_TOKEN": env("LEDGER_METRICS_TOKEN", default="") or None,
+    "HEALTH_MAX_UNRESOLVED_AGE": timedelta(
+        seconds=env.int("EVENT_HEALTH_MAX_UNRESOLVED_AGE_S", default=24 * 60 * 60)
+    ),
 }
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    # #15: every record of the app carries run_id, step_id, action and owner; the filter
+    # on the handler gives them to any record that reaches it.
+    "filters": {"ledger_context": {"()": "events_ledger.logcontext.LogContextFilter"}},
+    "formatters": {
+        "ledger": {
+            "format": "%(levelname)s %(name)s run=%(run_id)s step=%(step_id)s "
+            "action=%(action)s owner=%(owner)s: %(message)s"
+        }
+    },
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "filters": ["ledger_context"],
+            "formatter": "ledger",
+        }
+    },
     "loggers": {
         "events_ledger": {
             "handlers": ["console"],

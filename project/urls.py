@@ -1,10 +1,24 @@
-"""The example project's URLs: the admin is the console (S3)."""
+"""The example project's URLs: the admin is the console (S3); metrics and health (#15)."""
 
 from django.contrib import admin
 from django.urls import path
 from django.views.generic import RedirectView
+from health_check.views import HealthCheckView
+
+from events_ledger.views import metrics
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    # Prometheus scrapes it with EVENTS_LEDGER["METRICS_TOKEN"]; staff read it logged in.
+    path("metrics", metrics, name="metrics"),
+    # A load balancer or uptime check reads it: 500 when a run is incomplete or an
+    # unresolved resource is older than HEALTH_MAX_UNRESOLVED_AGE.
+    path(
+        "health/",
+        HealthCheckView.as_view(
+            checks=["health_check.checks.Database", "events_ledger.health.LedgerHealthCheck"]
+        ),
+        name="health",
+    ),
     path("", RedirectView.as_view(pattern_name="admin:index")),
 ]

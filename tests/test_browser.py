@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from events_ledger.ledger import execute_step
-from events_ledger.models import EventRun, EventRunResource
+from events_ledger.models import EventRun, EventRunResource, EventRunStep
 from project.world.models import Creature
 from tests.helpers import new_run, spawn_step
 
@@ -41,6 +41,18 @@ def sync_playwright_or_skip():
     return sync_playwright
 
 
+def logged_in(browser, url: str, after: str, scheme: str = "light"):
+    """A page logged in as the test's operator, at ``after``."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900}, color_scheme=scheme)
+    page.set_default_timeout(30_000)
+    page.goto(f"{url}/admin/login/?next={after}")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", "pw-operator")
+    page.click("input[type=submit]")
+    page.wait_for_url(f"{url}{after}")
+    return page
+
+
 def test_operator_retries_an_incomplete_run(live_server, world, django_user_model):  # S3, C4
     sync_playwright = sync_playwright_or_skip()
     run = new_run("Bat swarm", scope="south")
@@ -60,13 +72,7 @@ def test_operator_retries_an_incomplete_run(live_server, world, django_user_mode
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(30_000)
-            page.goto(f"{live_server.url}/admin/login/?next=/admin/events_ledger/eventrun/")
-            page.fill("#id_username", "operator")
-            page.fill("#id_password", "pw-operator")
-            page.click("input[type=submit]")
-            page.wait_for_url(runs)
+            page = logged_in(browser, live_server.url, "/admin/events_ledger/eventrun/")
 
             page.click(f"#result_list a[href$='/eventrun/{run.pk}/change/']")
             banner = page.locator("#el-incomplete")
@@ -103,3 +109,134 @@ def test_operator_retries_an_incomplete_run(live_server, world, django_user_mode
     run.refresh_from_db()
     assert run.cleanup_status == "complete"
     assert Creature.objects.count() == 0  # the world is restored
+
+
+# The WCAG contrast of two CSS colours, computed in the page (#15: readable in dark mode).
+CONTRAST_JS = """
+([a, b]) => {
+  const rgb = (css) => css.match(/[\\d.]+/g).slice(0, 3).map(Number);
+  const lum = (c) => {
+    const [r, g, b] = rgb(c).map((v) => {
+      v /= 255;
+      return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4);
+    });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+  };
+  const [x, y] = [lum(a), lum(b)].sort((p, q) => q - p);
+  return (x + 0.05) / (y + 0.05);
+}
+"""
+
+
+def _dashboard_world() -> tuple[EventRun, EventRun]:
+    """Runs in every cleanup status, unresolved rows of three modules, a step in flight,
+    and a run whose steps and rows make a timeline."""
+    from django.utils import timezone
+
+    from tests.factories import ResourceFactory, RunFactory, StepFactory
+    from tests.helpers import new_step
+
+    stuck = RunFactory(name="Wolf night", status="completed", cleanup_status="incomplete")
+    ResourceFactory.create_batch(
+        2, run=stuck, owner_module="world", revert_attempts=3, last_error="region locked"
+    )
+    ResourceFactory(run=stuck, owner_module="world", status="drifted", kind="override")
+    ResourceFactory.create_batch(5, run=stuck, owner_module="banners", status="orphaned")
+    ResourceFactory.create_batch(3, run=stuck, owner_module="shop")
+    for cleanup_status in ("complete", "complete", "pending", "not_required"):
+        RunFactory(status="completed", cleanup_status=cleanup_status)
+    StepFactory(
+        run=RunFactory(name="Owl watch"),
+        action_id="world.slow_spawn",
+        status="running",
+        claimed_at=timezone.now(),
+        claimed_by="worker-2:4242",
+    )
+    run = RunFactory(name="Boar hunt", status="cancelled", cleanup_status="pending")
+    for seq, status in enumerate(("done", "done", "failed")):
+        step = new_step(run, "world.spawn", seq=seq)
+        EventRunStep.objects.filter(pk=step.pk).update(status=status, attempts=1)
+        ResourceFactory(
+            run=run, step=step, kind="creature", owner_module="world", status="reverted"
+        )
+        ResourceFactory(run=run, step=step, kind="creature", owner_module="world")
+    return stuck, run
+
+
+def test_operator_reads_the_dashboard_and_a_timeline_in_light_and_dark(
+    live_server, django_user_model
+):  # #15: dashboard, server-rendered SVG, readable in dark mode
+    sync_playwright = sync_playwright_or_skip()
+    stuck, timed = _dashboard_world()
+    django_user_model.objects.create_superuser("operator", "operator@example.com", "pw-operator")
+    ARTIFACTS.mkdir(exist_ok=True)
+
+    # No ORM inside this block (Playwright's sync API runs an event loop in this thread).
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            for scheme in ("light", "dark"):
+                page = logged_in(browser, live_server.url, "/admin/events_ledger/", scheme)
+                page.locator("#el-dashboard").wait_for()
+                assert "Needs a human" in page.inner_text("#el-health")
+                assert f"run {stuck.pk}" in page.inner_text("#el-health")
+                tiles = page.locator("#el-runs-by-cleanup .el-tile")
+                assert tiles.count() == 4
+                assert page.inner_text("a[data-status=incomplete] .el-tile-n") == "1"
+                # One bar per module, longest first, each drawn with a width.
+                owners = page.eval_on_selector_all(
+                    "#el-unresolved-chart g.el-bar", "gs => gs.map(g => g.dataset.owner)"
+                )
+                assert owners == ["world", "banners", "shop"]
+                widths = page.eval_on_selector_all(
+                    "#el-unresolved-chart rect", "rs => rs.map(r => r.getBBox().width)"
+                )
+                assert len(widths) == 4 and all(w > 1 for w in widths)
+                assert "world.slow_spawn" in page.inner_text("#el-in-flight")
+                assert "worker-2:4242" in page.inner_text("#el-in-flight")
+                assert "region locked" in page.inner_text("#el-oldest")
+                # Readable: the labels' colour against the page, the bars against it too.
+                background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+                label = page.eval_on_selector(
+                    "#el-unresolved-chart .el-chart-label", "t => getComputedStyle(t).fill"
+                )
+                bars = page.eval_on_selector_all(
+                    "#el-unresolved-chart rect",
+                    "els => els.map(e => getComputedStyle(e).fill)",
+                )
+                dark_page = page.evaluate(CONTRAST_JS, [background, "rgb(0, 0, 0)"]) < 2
+                assert dark_page == (scheme == "dark")
+                assert page.evaluate(CONTRAST_JS, [label, background]) >= 4.5
+                for fill in bars:  # graphics against the page: WCAG 1.4.11
+                    assert page.evaluate(CONTRAST_JS, [fill, background]) >= 3, fill
+                page.screenshot(path=str(ARTIFACTS / f"dashboard-{scheme}.png"), full_page=True)
+
+                page.goto(f"{live_server.url}/admin/events_ledger/eventrun/{timed.pk}/change/")
+                page.locator("#el-timeline svg").wait_for()
+                lanes = page.eval_on_selector_all(
+                    "#el-timeline g.el-lane",
+                    "gs => gs.map(g => [g.classList.contains('el-lane-step'), g.dataset.status])",
+                )
+                assert lanes == [
+                    [True, "done"],
+                    [True, "done"],
+                    [True, "failed"],
+                    *[[False, s] for s in ("reverted", "confirmed") * 3],
+                ]
+                held = page.locator("#el-timeline rect.el-open")
+                assert held.count() == 3  # the rows still held run to the right edge
+                text = page.eval_on_selector(
+                    "#el-timeline .el-chart-label", "t => getComputedStyle(t).fill"
+                )
+                assert page.evaluate(CONTRAST_JS, [text, background]) >= 4.5
+                solid = page.eval_on_selector_all(
+                    "#el-timeline rect:not(.el-open)", "rs => rs.map(r => getComputedStyle(r).fill)"
+                )
+                for fill in solid:
+                    assert page.evaluate(CONTRAST_JS, [fill, background]) >= 3, fill
+                page.locator("#el-timeline").screenshot(
+                    path=str(ARTIFACTS / f"run-timeline-{scheme}.png")
+                )
+                page.close()
+        finally:
+            browser.close()

@@ -42,6 +42,12 @@ journalctl, crontab).
     command is (and must not rely on a shell); a timer needs a schedule (OnCalendar is
     checked with ``systemd-analyze calendar`` where the machine has it) and a service of
     the same page to start.
+``yaml file=NAME.yml``
+    A Prometheus file (issue 15), parsed with PyYAML. Alert rules (``groups:``): every
+    metric an expression names is one the app exposes, with labels it has; a scrape
+    config (``scrape_configs:``): its ``metrics_path`` is the app's metrics view in the
+    example project, read with a bearer token. Both are also checked with ``promtool``
+    where the machine has it (rules first: a config names the page's rule files).
 
 A block with no language, or another language, fails the page.
 """
@@ -76,6 +82,7 @@ from tests.processes import ROOT, child_env
 DOCS = ROOT / "docs"
 PAGES = sorted(p.name for p in DOCS.glob("*.md"))
 REQUIRED_PAGES = {
+    "operating.md",
     "quickstart.md",
     "actions-and-leases.md",
     "cron.md",
@@ -84,7 +91,7 @@ REQUIRED_PAGES = {
     "statuses.md",
 }
 
-KNOWN_LANGUAGES = {"python", "pycon", "console", "shell", "crontab", "ini"}
+KNOWN_LANGUAGES = {"python", "pycon", "console", "shell", "crontab", "ini", "yaml"}
 #: Commands a skipped shell block may hold: they need a real systemd or crontab.
 NEEDS_THE_MACHINE = {"systemctl", "journalctl", "crontab"}
 SHELL_OPERATORS = {"&&", "||", ";", "|", "&"}
@@ -173,7 +180,7 @@ def check_kind(block: Block) -> None:
         raise DocError(
             f"{block.where}: the language {block.lang!r} is not executed by tests/test_docs.py"
         )
-    allowed = {"python": {"file"}, "ini": {"file"}}.get(block.lang, set())
+    allowed = {"python": {"file"}, "ini": {"file"}, "yaml": {"file"}}.get(block.lang, set())
     if set(block.attrs) - allowed:
         raise DocError(f"{block.where}: unknown attributes {sorted(set(block.attrs) - allowed)}")
     if block.lang == "python" and "file" in block.attrs and not block.attrs["file"].endswith(".py"):
@@ -181,6 +188,11 @@ def check_kind(block: Block) -> None:
     if block.lang == "ini" and not re.search(r"\.(service|timer)$", block.attrs.get("file", "")):
         raise DocError(
             f"{block.where}: an ini block is a systemd unit: file=NAME.service or NAME.timer"
+        )
+    if block.lang == "yaml" and not re.search(r"\.ya?ml$", block.attrs.get("file", "")):
+        raise DocError(
+            f"{block.where}: a yaml block is a Prometheus file: file=NAME.yml (rules or a "
+            "scrape config)"
         )
     if block.skip is not None:
         if block.lang != "shell":
@@ -356,6 +368,7 @@ class PageRun:
         self.apps: list[str] = []
         self.registered: tuple[set[str], set[str]] = (set(), set())
         self.units: set[str] = set()
+        self.prometheus = tmp / "prometheus"
         sys.path.insert(0, str(self.host))
 
     def close(self) -> None:
@@ -387,6 +400,8 @@ class PageRun:
             self.crontab(block)
         elif block.lang == "ini":
             self.unit(block)
+        elif block.lang == "yaml":
+            self.prometheus_file(block)
 
     # ── python ──
 
@@ -665,6 +680,127 @@ class PageRun:
                 f"{block.where}: a timer is enabled with [Install] WantedBy=timers.target"
             )
 
+    # ── Prometheus ──
+
+    def prometheus_file(self, block: Block) -> None:
+        import yaml
+
+        try:
+            doc = yaml.safe_load(block.source)
+        except yaml.YAMLError as exc:
+            raise DocError(f"{block.where}: not YAML: {exc}") from None
+        if isinstance(doc, dict) and "groups" in doc:
+            check_rules(doc, block.where)
+            command = "rules"
+        elif isinstance(doc, dict) and "scrape_configs" in doc:
+            check_scrape_configs(doc, block.where)
+            command = "config"
+        else:
+            raise DocError(
+                f"{block.where}: neither alert rules (groups:) nor a scrape config "
+                "(scrape_configs:)"
+            )
+        self.prometheus.mkdir(exist_ok=True)
+        path = self.prometheus / Path(block.attrs["file"]).name
+        path.write_text(block.source)
+        for job in doc.get("scrape_configs") or []:
+            secret = (job.get("authorization") or {}).get("credentials_file")
+            if secret and not Path(secret).is_absolute():
+                # The reader's secret, beside their prometheus.yml: promtool reads it.
+                (self.prometheus / secret).write_text("a-token-of-the-readers-own\n")
+        promtool = shutil.which("promtool")
+        if promtool:
+            done = subprocess.run(
+                [promtool, "check", command, str(path)],
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode != 0:
+                raise DocError(
+                    f"{block.where}: promtool check {command}:\n{done.stdout}{done.stderr}"
+                )
+
+
+METRIC_REF = re.compile(r"\b(?P<name>events_ledger_[a-z0-9_]+)\b(?:\{(?P<matchers>[^}]*)\})?")
+
+
+def exposed_metrics() -> dict[str, set[str]]:
+    """Every series name the app exposes (gauges, counters' ``_total``, a histogram's
+    ``_bucket``/``_count``/``_sum``), with its label names."""
+    from events_ledger import metrics
+
+    metrics.install()
+    out: dict[str, set[str]] = {}
+    for family in metrics.LedgerCollector().describe():
+        out[family.name] = set(family._labelnames)
+    counters = metrics._counters
+    assert counters is not None
+    for metric in vars(counters).values():
+        name, labels = metric._name, set(metric._labelnames)
+        if metric._type == "counter":
+            out[f"{name}_total"] = labels
+        elif metric._type == "histogram":
+            out[f"{name}_bucket"] = labels | {"le"}
+            out[f"{name}_count"] = out[f"{name}_sum"] = labels
+    return out
+
+
+def check_rules(doc: dict[str, Any], where: str) -> None:
+    exposed = exposed_metrics()
+    groups = doc.get("groups")
+    if not isinstance(groups, list) or not groups:
+        raise DocError(f"{where}: groups is a list of rule groups")
+    for group in groups:
+        if not group.get("name") or not isinstance(group.get("rules"), list):
+            raise DocError(f"{where}: a group needs a name and rules")
+        for rule in group["rules"]:
+            name = rule.get("alert") or rule.get("record")
+            expr = rule.get("expr")
+            if not name or not isinstance(expr, str):
+                raise DocError(f"{where}: a rule needs alert (or record) and expr: {rule}")
+            refs = list(METRIC_REF.finditer(expr))
+            if not refs:
+                raise DocError(f"{where}: {name} names no metric of the app: {expr}")
+            labels: set[str] = set()
+            for ref in refs:
+                if ref["name"] not in exposed:
+                    raise DocError(f"{where}: {name}: the app exposes no {ref['name']}")
+                known = exposed[ref["name"]]
+                labels |= known
+                for matcher in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", ref["matchers"] or ""):
+                    if matcher not in known:
+                        raise DocError(f"{where}: {name}: {ref['name']} has no label {matcher!r}")
+            for grouping in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+                for label in filter(None, (g.strip() for g in grouping.split(","))):
+                    if label not in labels:
+                        raise DocError(
+                            f"{where}: {name}: no metric it reads has the label {label!r}"
+                        )
+            templated = " ".join(str(v) for v in (rule.get("annotations") or {}).values())
+            for label in re.findall(r"\$labels\.(\w+)", templated):
+                if label not in labels:
+                    raise DocError(f"{where}: {name}: its annotations name the label {label!r}")
+
+
+def check_scrape_configs(doc: dict[str, Any], where: str) -> None:
+    from django.urls import Resolver404, resolve
+
+    from events_ledger.views import metrics
+
+    for job in doc["scrape_configs"]:
+        path = job.get("metrics_path", "/metrics")
+        try:
+            match = resolve(path)
+        except Resolver404:
+            raise DocError(f"{where}: {job.get('job_name')}: nothing is served at {path}") from None
+        if match.func is not metrics:
+            raise DocError(f"{where}: {path} is not the ledger's metrics view")
+        auth = job.get("authorization") or {}
+        if str(auth.get("type", "Bearer")).lower() != "bearer" or not (
+            auth.get("credentials") or auth.get("credentials_file")
+        ):
+            raise DocError(f"{where}: the metrics view reads a bearer token (authorization:)")
+
 
 def strip_redirections(words: list[str]) -> list[str]:
     out, skip_next = [], False
@@ -710,11 +846,15 @@ def test_every_block_does_what_the_page_says(
 
 
 def as_written(value: Any) -> str:
-    """A default as the settings page writes it: 15 minutes, 10 seconds, 3, 0.5."""
+    """A default as the settings page writes it: 15 minutes, 10 seconds, 1 day, 3, 0.5,
+    not set."""
     if isinstance(value, timedelta):
         seconds = int(value.total_seconds())
+        if seconds % 86_400 == 0:
+            days = seconds // 86_400
+            return f"{days} day" if days == 1 else f"{days} days"
         return f"{seconds // 60} minutes" if seconds % 60 == 0 else f"{seconds} seconds"
-    return str(value)
+    return "not set" if value is None else str(value)
 
 
 def test_the_settings_page_names_every_key_with_its_default():  # docs, S4
@@ -789,7 +929,8 @@ def test_the_parser_finds_fences_info_strings_and_skip_markers():  # docs
     [
         ("```\nx\n```", "without a language"),
         ("```text\nx\n```", "not executed"),
-        ("```yaml\nx: 1\n```", "not executed"),
+        ("```yaml\nx: 1\n```", "file=NAME.yml"),
+        ("```toml\nx = 1\n```", "not executed"),
         ("```python run\nx\n```", "key=value"),
         ("```ini file=x.conf\n[a]\n```", "systemd unit"),
         ("<!-- doctest: skip (lazy) -->\n```python\nx = 1\n```", "only a shell block"),
@@ -882,5 +1023,38 @@ def test_crontab_and_unit_mistakes_are_caught(tmp_path, settings):  # docs
         for lang, attrs, source, error in bad:
             with pytest.raises(DocError, match=error):
                 run.run(Block("x.md", 1, lang, attrs, source))
+    finally:
+        run.close()
+
+
+def test_prometheus_files_are_checked_against_the_app(tmp_path, settings):  # docs, #15
+    run = PageRun("x.md", tmp_path, settings)
+    rule = "groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: {expr}\n"
+    scrape = (
+        "scrape_configs:\n  - job_name: j\n    metrics_path: {path}\n"
+        "    authorization:\n      credentials_file: /etc/token\n"
+    )
+    try:
+        run.run(
+            Block(
+                "x.md",
+                1,
+                "yaml",
+                {"file": "ok.rules.yml"},
+                rule.format(expr="events_ledger_healthy == 0"),
+            )
+        )
+        bad = [
+            (rule.format(expr="events_ledger_nothing > 0"), "exposes no events_ledger_nothing"),
+            (rule.format(expr='events_ledger_runs{owner="x"} > 0'), "has no label 'owner'"),
+            (rule.format(expr="max by (action) (events_ledger_runs) > 0"), "the label 'action'"),
+            (rule.format(expr="up == 0"), "names no metric of the app"),
+            (scrape.format(path="/admin/"), "not the ledger's metrics view"),
+            (scrape.format(path="/nowhere"), "nothing is served"),
+            ("x: 1\n", "neither alert rules"),
+        ]
+        for source, error in bad:
+            with pytest.raises(DocError, match=error):
+                run.run(Block("x.md", 1, "yaml", {"file": "bad.yml"}, source))
     finally:
         run.close()

@@ -145,3 +145,20 @@ def test_the_wheel_installs_into_a_new_project_and_gives_resources_back(tmp_path
     swept = sh(*manage, "cleanup_runs", cwd=host, env=env).stdout
     assert f"run {run_id}: attempted 3, reverted 3" in swept and "-> complete" in swept
     assert json.loads((app / "world.json").read_text()) == {}
+    # #15: without the metrics and health extras the app works, and says how to get them.
+    assert sh(*manage, "ledger_status", cwd=host, env=env).stdout.startswith(
+        "events ledger: healthy"
+    )
+    missing = sh(
+        *manage,
+        "shell",
+        "-c",
+        "from django.core.exceptions import ImproperlyConfigured\n"
+        "from events_ledger.metrics import LedgerCollector\n"
+        "try:\n    LedgerCollector()\nexcept ImproperlyConfigured as exc:\n    print(exc)\n"
+        "try:\n    import events_ledger.health\nexcept ImproperlyConfigured as exc:\n    print(exc)\n",
+        cwd=host,
+        env=env,
+    ).stdout
+    assert "pip install 'django-events-ledger[metrics]'" in missing
+    assert "pip install 'django-events-ledger[health]'" in missing

@@ -1,0 +1,256 @@
+"""Pictures for the console (#15): a bar chart of the unresolved rows by module, and a run's
+timeline, as geometry the templates draw in SVG on the server (no JavaScript).
+
+Only numbers and the ledger's own words come out of here; the templates escape every
+text. Colours come from CSS classes (``el-fill-<status>`` in the console's style), so the
+pictures follow the admin's light and dark themes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.utils import timezone
+from django.utils.formats import date_format
+
+from .models import EventRun, EventRunResource, EventRunStep
+from .states import HELD, UNRESOLVED
+from .status import LedgerStatus, ModuleRows, duration
+
+#: Modules drawn in the bar chart; the rest are counted under it.
+MAX_BARS = 12
+#: Lanes of a run's timeline, steps first; the rest are counted under it.
+MAX_STEP_LANES = 20
+MAX_ROW_LANES = 40
+
+
+# ── the bar chart ──
+
+
+@dataclass(frozen=True)
+class Segment:
+    status: str
+    count: int
+    x: float
+    width: float
+
+
+@dataclass(frozen=True)
+class Bar:
+    owner: str
+    total: int
+    y: float
+    segments: list[Segment]
+    value_x: float
+
+
+@dataclass(frozen=True)
+class BarChart:
+    width: int
+    height: int
+    label_width: int
+    bar_height: int
+    bars: list[Bar]
+    statuses: list[str]
+    #: Modules not drawn (beyond MAX_BARS), and their rows.
+    more: int = 0
+    more_rows: int = 0
+
+
+def bar_chart(modules: Sequence[ModuleRows], width: int = 760) -> BarChart:
+    """Unresolved rows by owner module, one bar each, stacked by status; the modules
+    with most rows first, scaled to the largest."""
+    label_width, value_width, row, bar_height = 170, 60, 28, 18
+    ranked = sorted(modules, key=lambda m: (-m.total, m.owner))
+    shown, hidden = ranked[:MAX_BARS], ranked[MAX_BARS:]
+    plot = width - label_width - value_width
+    largest = max((m.total for m in shown), default=0) or 1
+    bars = []
+    for i, module in enumerate(shown):
+        x = float(label_width)
+        segments = []
+        for status in UNRESOLVED:
+            n = module.by_status.get(status, 0)
+            if not n:
+                continue
+            w = max(plot * n / largest, 2.0)  # a single row is still seen
+            segments.append(Segment(status, n, round(x, 1), round(w, 1)))
+            x += w
+        bars.append(Bar(module.owner, module.total, i * row + 4, segments, round(x + 6, 1)))
+    return BarChart(
+        width=width,
+        height=max(len(bars), 1) * row + 8,
+        label_width=label_width,
+        bar_height=bar_height,
+        bars=bars,
+        statuses=[s for s in UNRESOLVED if any(m.by_status.get(s) for m in shown)],
+        more=len(hidden),
+        more_rows=sum(m.total for m in hidden),
+    )
+
+
+@dataclass(frozen=True)
+class Overview:
+    """The app index's dashboard: everything drawn from one snapshot."""
+
+    status: LedgerStatus
+    runs: list[tuple[str, str, int]]  # (status, label, runs)
+    chart: BarChart
+    oldest: list[tuple[EventRunResource, str]]  # (row, age)
+    running: list[tuple[EventRunStep, str]]  # (step, running for)
+    max_age: str  # HEALTH_MAX_UNRESOLVED_AGE, as an operator reads it
+
+
+def overview(status: LedgerStatus) -> Overview:
+    return Overview(
+        status=status,
+        runs=[
+            (name, label, status.runs_by_cleanup_status.get(name, 0))
+            for name, label in EventRun.CleanupStatus.choices
+        ],
+        chart=bar_chart(status.modules),
+        oldest=[(r, duration(status.age(r.created_at))) for r in status.oldest_rows],
+        running=[(s, duration(status.age(s.updated_at))) for s in status.running_steps],
+        max_age=duration(status.max_age.total_seconds()),
+    )
+
+
+# ── a run's timeline ──
+
+
+@dataclass(frozen=True)
+class Lane:
+    kind: str  # "step" or "resource"
+    label: str
+    status: str
+    y: float
+    x: float
+    width: float
+    #: Still going at the right edge (a held row, a step not settled).
+    open: bool
+    title: str
+
+
+@dataclass(frozen=True)
+class Timeline:
+    width: int
+    height: int
+    left: int
+    right: int
+    lane_height: int
+    lanes: list[Lane]
+    ticks: list[tuple[float, str]]
+    #: The run's start and end, as vertical lines.
+    marks: list[tuple[float, str]] = field(default_factory=list)
+    more_steps: int = 0
+    more_rows: int = 0
+    steps_y: float = 0
+    rows_y: float | None = None
+
+
+def run_timeline(
+    run: EventRun,
+    steps: Sequence[EventRunStep],
+    rows: Sequence[EventRunResource],
+    *,
+    now: datetime | None = None,
+    total_rows: int | None = None,
+    width: int = 960,
+) -> Timeline:
+    """A run's steps (created → settled) and its ledger rows (recorded → given back, or
+    orphaned, drifted, or still held), on one time axis from the run's creation to its
+    end (or now, while anything is still open)."""
+    now = now or timezone.now()
+    left, right, lane, head = 230, 16, 20, 26
+    shown_steps, shown_rows = list(steps)[:MAX_STEP_LANES], list(rows)[:MAX_ROW_LANES]
+
+    def step_end(s: EventRunStep) -> tuple[datetime, bool]:
+        done = s.status in ("done", "failed", "refused")
+        return (s.updated_at if done else now), not done
+
+    def row_end(r: EventRunResource) -> tuple[datetime, bool]:
+        held = r.status in HELD
+        return (now if held else r.updated_at), held
+
+    starts = [
+        run.created_at,
+        *(s.created_at for s in shown_steps),
+        *(r.created_at for r in shown_rows),
+    ]
+    ends = [
+        run.finished_at or run.created_at,
+        *(step_end(s)[0] for s in shown_steps),
+        *(row_end(r)[0] for r in shown_rows),
+    ]
+    t0, t1 = min(starts), max(ends)
+    if t1 - t0 < timedelta(seconds=1):
+        t1 = t0 + timedelta(seconds=1)
+    plot = width - left - right
+    span = (t1 - t0).total_seconds()
+
+    def x_of(t: datetime) -> float:
+        return round(left + plot * min(max((t - t0).total_seconds() / span, 0.0), 1.0), 1)
+
+    lanes: list[Lane] = []
+    y = float(head)
+
+    def add(
+        kind: str, label: str, status: str, start: datetime, end: datetime, still: bool, title: str
+    ) -> None:
+        nonlocal y
+        a, b = x_of(start), x_of(end)
+        # At least 3 pixels: a life of a millisecond is still seen.
+        lanes.append(Lane(kind, _cut(label, 34), status, y, a, max(b - a, 3.0), still, title))
+        y += lane
+
+    steps_y = y
+    for s in shown_steps:
+        end, still = step_end(s)
+        title = (
+            f"step {s.pk} {s.action_id}: {s.status}, attempt {s.attempts}; "
+            f"{_when(s.created_at)} → {'still ' + s.status if still else _when(end)}"
+        )
+        add("step", f"step {s.seq} · {s.action_id}", s.status, s.created_at, end, still, title)
+    rows_y = None
+    if shown_rows:
+        y += 10 if shown_steps else 0
+        rows_y = y
+    for r in shown_rows:
+        end, held = row_end(r)
+        title = f"{r.owner_module} {r.kind}:{r.ref}: recorded {_when(r.created_at)}, " + (
+            f"still {r.status}" if held else f"{r.status} {_when(end)}"
+        )
+        add("resource", f"{r.kind}:{r.ref}", r.status, r.created_at, end, held, title)
+    ticks = [
+        (x_of(t0 + (t1 - t0) * i / 4), _when(t0 + (t1 - t0) * i / 4, short=span < 86_400))
+        for i in range(5)
+    ]
+    marks = []
+    if run.started_at:
+        marks.append((x_of(run.started_at), "started"))
+    if run.finished_at:
+        marks.append((x_of(run.finished_at), run.status))
+    return Timeline(
+        width=width,
+        height=int(y) + 8,
+        left=left,
+        right=right,
+        lane_height=lane,
+        lanes=lanes,
+        ticks=ticks,
+        marks=marks,
+        more_steps=max(len(steps) - len(shown_steps), 0),
+        more_rows=max((total_rows if total_rows is not None else len(rows)) - len(shown_rows), 0),
+        steps_y=steps_y,
+        rows_y=rows_y,
+    )
+
+
+def _when(t: datetime, short: bool = False) -> str:
+    return date_format(timezone.localtime(t), "H:i:s" if short else "Y-m-d H:i:s")
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,70 @@
+"""``manage.py ledger_status``: where the ledger stands, on one screen (#15)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
+from events_ledger.status import LedgerStatus, duration, snapshot
+
+
+class Command(LedgerCommand):
+    help = (
+        "Print where the ledger stands: runs by cleanup status, unresolved resources by "
+        "module, the oldest of them, steps in flight. Exit status 1 when it is unhealthy "
+        "(a run incomplete, or an unresolved resource older than HEALTH_MAX_UNRESOLVED_AGE)."
+    )
+
+    def add_arguments(self, parser: Any) -> None:
+        self.add_json_argument(parser)
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        status = snapshot(details=True)
+        if opts["json"]:
+            self.emit_json(status.as_dict())
+        elif opts["verbosity"]:
+            self._print(status, opts["verbosity"])
+        self.finish(OK if status.healthy else NEEDS_HUMAN)
+
+    def _print(self, s: LedgerStatus, verbosity: int) -> None:
+        out = self.stdout.write
+        if s.healthy:
+            out(self.style.SUCCESS("events ledger: healthy"))
+        else:
+            out(self.style.ERROR("events ledger: UNHEALTHY"))
+            for problem in s.problems:
+                out(self.style.ERROR(f"  - {problem}"))
+        runs = s.runs_by_cleanup_status
+        out(
+            "runs by cleanup: "
+            + " · ".join(f"{name.replace('_', ' ')} {n}" for name, n in runs.items())
+        )
+        out(f"unresolved resources: {s.unresolved} (oldest {duration(s.age(s.oldest_unresolved))})")
+        width = max((len(m.owner) for m in s.modules), default=0)
+        for m in s.modules:
+            statuses = ", ".join(f"{name} {n}" for name, n in m.by_status.items())
+            out(
+                f"  {m.owner:<{width}}  {statuses}; oldest {duration(s.age(m.oldest))}; "
+                f"claimed without verdict {m.poison}; left for a human {m.spent}"
+            )
+        out(f"steps in flight: {s.in_flight}")
+        for a in s.steps:
+            stale = f", {a.stale} with a stale claim" if a.stale else ""
+            out(f"  {a.action}: {a.in_flight} (oldest {duration(s.age(a.oldest))}){stale}")
+        if s.oldest_rows:
+            out("oldest unresolved:")
+            for r in s.oldest_rows:
+                line = (
+                    f"  #{r.pk} {r.owner_module} {r.kind}:{r.ref} {r.status}, run {r.run_id}, "
+                    f"{duration(s.age(r.created_at))} old"
+                )
+                if r.last_error and verbosity > 1:
+                    line += f": {r.last_error}"
+                out(line)
+        if s.running_steps and verbosity > 1:
+            out("longest in flight:")
+            for step in s.running_steps:
+                out(
+                    f"  step {step.pk} ({step.action_id}) of run {step.run_id} on "
+                    f"{step.claimed_by or 'an unknown host'}, {duration(s.age(step.updated_at))}"
+                )

@@ -1,0 +1,23 @@
+"""``{% ledger_dashboard %}``: the app index's dashboard (#15), a thin shell over the
+status snapshot and the pictures made from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import template
+
+from events_ledger.dashboard import overview
+from events_ledger.status import snapshot
+
+register = template.Library()
+
+
+@register.inclusion_tag("events_ledger/admin/dashboard.html", takes_context=True)
+def ledger_dashboard(context: Any) -> dict[str, Any]:
+    request = context.get("request")
+    user = getattr(request, "user", None)
+    # What the console's lists show, to whoever may read them (S3's view permissions).
+    if user is None or not user.has_perm("events_ledger.view_eventrun"):
+        return {"dashboard": None}
+    return {"dashboard": overview(snapshot(details=True)), "request": request}
