@@ -416,7 +416,7 @@ def _claim_and_execute(step_id: int) -> StepResult:
 
 
 def _begin(step_id: int) -> _Begun | StepResult:
-    step = EventRunStep.objects.select_related("run").filter(pk=step_id).first()
+    step = EventRunStep.objects.with_run(step_id)
     if step is None:
         raise EventRunStep.DoesNotExist(f"there is no step {step_id}")
     run = step.run

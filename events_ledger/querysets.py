@@ -20,7 +20,7 @@ from django.db.models import Case, Count, Exists, F, OuterRef, Q, Value, When
 from django.db.models.functions import Greatest
 
 from .conf import ledger_settings
-from .db import UtcNow, chunked, is_unique_violation, retrying_deadlocks, storable
+from .db import Prepared, UtcNow, chunked, is_unique_violation, retrying_deadlocks, storable
 from .states import HELD, LIVE, RUN_TERMINAL, STEP_KIND, UNRESOLVED
 
 if TYPE_CHECKING:
@@ -56,6 +56,18 @@ def cut_error(error: object, default: str = DEFAULT_REVERT_ERROR) -> str:
 # ── runs ──────────────────────────────────────────────────────────────────────
 
 
+def _set_cleanup_status(
+    base: Any, only_from: tuple[str, ...] | None, *, run: int, status: str
+) -> tuple[Any, dict[str, Any]]:
+    qs = base.filter(pk=run).exclude(cleanup_status=status)
+    if only_from is not None:
+        qs = qs.filter(cleanup_status__in=list(only_from))
+    return qs, {"cleanup_status": status, "updated_at": UtcNow()}
+
+
+_SET_CLEANUP_STATUS = Prepared(_set_cleanup_status, run=int, status=str)
+
+
 class EventRunQuerySet(models.QuerySet):
     def terminal(self) -> EventRunQuerySet:
         return self.filter(status__in=RUN_TERMINAL)
@@ -76,10 +88,8 @@ class EventRunQuerySet(models.QuerySet):
         self, run: Any, status: str, only_from: Iterable[str] | None = None
     ) -> bool:
         """Set ``cleanup_status``, from the given statuses only when named."""
-        qs = self.filter(pk=_pk(run)).exclude(cleanup_status=status)
-        if only_from is not None:
-            qs = qs.filter(cleanup_status__in=list(only_from))
-        return qs.update(cleanup_status=status, updated_at=UtcNow()) == 1
+        only = None if only_from is None else tuple(only_from)
+        return _SET_CLEANUP_STATUS.update(self, only, run=_pk(run), status=status) == 1
 
     def _derived_cleanup_status(self, max_attempts: int, max_claims: int) -> Case:
         from .models import EventRunResource
@@ -183,7 +193,73 @@ class EventRunQuerySet(models.QuerySet):
 # ── steps ─────────────────────────────────────────────────────────────────────
 
 
+def _claim(
+    base: Any, ttl: timedelta, *, step: int, token: str, by: str
+) -> tuple[Any, dict[str, Any]]:
+    qs = base.filter(pk=step).filter(
+        Q(status="pending") | Q(status="running", claimed_at__lt=UtcNow() - ttl)
+    )
+    # claim_token and claimed_at change on every claim: matched == changed.
+    return qs, {
+        "status": "running",
+        "claim_token": token,
+        "claimed_at": UtcNow(),
+        "claimed_by": by,
+        "attempts": F("attempts") + 1,
+        "updated_at": UtcNow(),
+    }
+
+
+_CLAIM = Prepared(_claim, step=int, token=str, by=str)
+_ATTEMPTS = Prepared(
+    lambda base, *, step: base.filter(pk=step).order_by().values_list("attempts"), step=int
+)
+_SETTLE = Prepared(
+    lambda base, *, step, token, status, error: (
+        base.filter(pk=step, claim_token=token, status="running"),
+        {"status": status, "updated_at": UtcNow(), "last_error": error},
+    ),
+    step=int,
+    token=str,
+    status=str,
+    error=str,
+)
+
+
+def _step_with_run(base: Any, *, step: int) -> Any:
+    run = base.model._meta.get_field("run").related_model
+    return (
+        base.filter(pk=step)
+        .order_by()
+        .values_list(
+            *(f.attname for f in base.model._meta.concrete_fields),
+            *(f"run__{f.attname}" for f in run._meta.concrete_fields),
+        )
+    )
+
+
+_STEP_WITH_RUN = Prepared(_step_with_run, step=int)
+
+
 class EventRunStepQuerySet(models.QuerySet):
+    def with_run(self, step: Any) -> Any:
+        """The step with its run cached on it, as ``select_related("run")`` reads them,
+        in one statement; None when there is no such step."""
+        rows = _STEP_WITH_RUN.rows(self, step=_pk(step))
+        if not rows:
+            return None
+        run_model = self.model._meta.get_field("run").related_model
+        step_fields = self.model._meta.concrete_fields
+        run_fields = run_model._meta.concrete_fields
+        found = self.model.from_db(
+            self.db, [f.attname for f in step_fields], rows[0][: len(step_fields)]
+        )
+        run = run_model.from_db(
+            self.db, [f.attname for f in run_fields], rows[0][len(step_fields) :]
+        )
+        self.model._meta.get_field("run").set_cached_value(found, run)
+        return found
+
     def claim(self, step: Any, ttl: timedelta | None = None, by: str | None = None) -> str | None:
         """Claim a step to execute it: ``pending → running``, or a ``running`` step whose
         claim is older than the TTL (its worker died: a live worker keeps its claim
@@ -194,19 +270,7 @@ class EventRunStepQuerySet(models.QuerySet):
         """
         ttl = ttl or ledger_settings.STEP_CLAIM_TTL
         token = new_token()
-        won = (
-            self.filter(pk=_pk(step))
-            .filter(Q(status="pending") | Q(status="running", claimed_at__lt=UtcNow() - ttl))
-            # claim_token and claimed_at change on every claim: matched == changed.
-            .update(
-                status="running",
-                claim_token=token,
-                claimed_at=UtcNow(),
-                claimed_by=by,
-                attempts=F("attempts") + 1,
-                updated_at=UtcNow(),
-            )
-        )
+        won = _CLAIM.update(self, ttl, step=_pk(step), token=token, by=by)
         return token if won == 1 else None
 
     def holds_claim(self, step: Any, token: str) -> bool:
@@ -220,7 +284,10 @@ class EventRunStepQuerySet(models.QuerySet):
         )
 
     def attempts_of(self, step: Any) -> int:
-        return int(self.filter(pk=_pk(step)).values_list("attempts", flat=True).get())
+        rows = _ATTEMPTS.rows(self, step=_pk(step))
+        if not rows:
+            raise self.model.DoesNotExist(f"there is no step {_pk(step)}")
+        return int(rows[0][0])
 
     def refresh_claims(self, tokens: Sequence[str]) -> int:
         """Re-stamp the claims of calls that still run, so nobody takes them for dead."""
@@ -236,9 +303,8 @@ class EventRunStepQuerySet(models.QuerySet):
 
     def settle(self, step: Any, token: str, status: str, error: str | None = None) -> bool:
         """Write a step's outcome, only while the caller's claim is still the current one."""
-        values: dict[str, Any] = {"status": status, "updated_at": UtcNow()}
-        values["last_error"] = None if error is None else storable(error, 2000)
-        return self.filter(pk=_pk(step), claim_token=token, status="running").update(**values) == 1
+        text = None if error is None else storable(error, 2000)
+        return _SETTLE.update(self, step=_pk(step), token=token, status=status, error=text) == 1
 
 
 # ── the ledger ────────────────────────────────────────────────────────────────
@@ -274,6 +340,25 @@ class GroupClaim:
     @property
     def ids(self) -> list[int]:
         return [r.pk for r in self.rows]
+
+
+_LIVE_PLACEHOLDER = Prepared(
+    lambda base, *, owner, key, run: (
+        base.filter(owner_module=owner, kind=STEP_KIND, ref=key, run=run, status__in=LIVE)
+        .order_by("-pk")
+        .values_list("pk")[:1]
+    ),
+    owner=str,
+    key=str,
+    run=int,
+)
+_RESOLVE_PLACEHOLDER = Prepared(
+    lambda base, *, row: (
+        base.filter(pk=row, kind=STEP_KIND, status__in=LIVE),
+        {"status": "reverted", "last_error": None, "updated_at": UtcNow()},
+    ),
+    row=int,
+)
 
 
 class EventRunResourceQuerySet(models.QuerySet):
@@ -374,12 +459,8 @@ class EventRunResourceQuerySet(models.QuerySet):
             return new_id
         # This step's earlier attempt wrote it, and it is still live. One that a sweeper
         # is giving back (reverting) is not reused: the caller must not perform under it.
-        return (
-            self.filter(owner_module=owner, kind=STEP_KIND, ref=key, run=_pk(run), status__in=LIVE)
-            .order_by("-pk")
-            .values_list("pk", flat=True)
-            .first()
-        )
+        found = _LIVE_PLACEHOLDER.rows(self, owner=owner, key=key, run=_pk(run))
+        return found[0][0] if found else None
 
     def _insert_ignoring_held(
         self, run: Any, step: Any, owner: str, rows: Sequence[Mapping[str, Any]], status: str
@@ -524,12 +605,7 @@ class EventRunResourceQuerySet(models.QuerySet):
     def resolve_placeholder(self, pk: Any) -> bool:
         """An answered step's ``@step`` row: ``pending|confirmed → reverted``, which frees
         its idempotency key."""
-        return (
-            self.filter(pk=_pk(pk), kind=STEP_KIND, status__in=LIVE).update(
-                status="reverted", last_error=None, updated_at=UtcNow()
-            )
-            == 1
-        )
+        return _RESOLVE_PLACEHOLDER.update(self, row=_pk(pk)) == 1
 
     # ── R4 reads ──
 
