@@ -432,13 +432,10 @@ def _begin(step_id: int) -> _Begun | StepResult:
         # status), and a write to the run after that deadlocks with a host's own UPDATE
         # of the run, such as cancelling it, which would be the one to fail.
         mark_run_dirty(run.pk)
-    token = EventRunStep.objects.claim(step_id, by=process_name())
+    token = _claim(step)
     if token is None:
         return StepResult("busy", error="another call of this step holds its claim")
-    # As the claim just wrote it; the count read back, since another worker may have
-    # claimed and settled the step between the read above and this claim.
-    step.status, step.claim_token = "running", token
-    step.attempts = EventRunStep.objects.attempts_of(step_id)
+    step.status, step.claim_token = "running", token  # as the claim just wrote them
     max_attempts = ledger_settings.MAX_STEP_ATTEMPTS
     if step.attempts > max_attempts:
         # Claimed again after attempts whose outcome never got written (a worker died
@@ -463,6 +460,33 @@ def _begin(step_id: int) -> _Begun | StepResult:
         error = "its placeholder is being given back by a cleanup; not performed"
         return _settle(step, token, StepResult("retry", error=error))
     return _Begun(token, step, run, action, placeholder_id)
+
+
+def _claim(step: EventRunStep) -> str | None:
+    """Claim the step, knowing the attempt count the claim wrote without reading it back:
+    the claim is a compare-and-set on the count read with the step. Another worker may
+    have claimed (and settled) the step between that read and this claim; its claim
+    moved the count, so this one loses, reads the count again and tries once more.
+
+    A lost claim whose count did not move is a step another call holds: the count only
+    grows (every claim adds one, nothing else writes it), so the same count read after
+    the claim means no claim came between the first read and the claim, which lost on
+    the step's status alone, as the plain claim would have. Answers the token, or None.
+    """
+    seen = step.attempts
+    for _ in range(3):
+        token = EventRunStep.objects.claim(step.pk, by=process_name(), attempts=seen)
+        if token is not None:
+            step.attempts = seen + 1
+            return token
+        try:
+            now = EventRunStep.objects.attempts_of(step.pk)
+        except EventRunStep.DoesNotExist:
+            return None
+        if now == seen:
+            return None
+        seen = now
+    return None  # claimed by others three times over meanwhile: busy all the same
 
 
 def _call(b: _Begun) -> tuple[StepResult, bool]:

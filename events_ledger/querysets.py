@@ -194,11 +194,13 @@ class EventRunQuerySet(models.QuerySet):
 
 
 def _claim(
-    base: Any, ttl: timedelta, *, step: int, token: str, by: str
+    base: Any, ttl: timedelta, *, step: int, token: str, by: str, attempts: int | None = None
 ) -> tuple[Any, dict[str, Any]]:
     qs = base.filter(pk=step).filter(
         Q(status="pending") | Q(status="running", claimed_at__lt=UtcNow() - ttl)
     )
+    if attempts is not None:
+        qs = qs.filter(attempts=attempts)
     # claim_token and claimed_at change on every claim: matched == changed.
     return qs, {
         "status": "running",
@@ -211,6 +213,7 @@ def _claim(
 
 
 _CLAIM = Prepared(_claim, step=int, token=str, by=str)
+_CLAIM_AT = Prepared(_claim, step=int, token=str, by=str, attempts=int)
 _ATTEMPTS = Prepared(
     lambda base, *, step: base.filter(pk=step).order_by().values_list("attempts"), step=int
 )
@@ -260,17 +263,33 @@ class EventRunStepQuerySet(models.QuerySet):
         self.model._meta.get_field("run").set_cached_value(found, run)
         return found
 
-    def claim(self, step: Any, ttl: timedelta | None = None, by: str | None = None) -> str | None:
+    def claim(
+        self,
+        step: Any,
+        ttl: timedelta | None = None,
+        by: str | None = None,
+        *,
+        attempts: int | None = None,
+    ) -> str | None:
         """Claim a step to execute it: ``pending → running``, or a ``running`` step whose
         claim is older than the TTL (its worker died: a live worker keeps its claim
         fresh for as long as a call of the step runs, see ``inflight``). Answers the
         claim's token, or None when another worker holds it. Exactly one concurrent
         caller wins; every claim counts an attempt, so a step that kills its worker
         cannot loop for ever.
+
+        With ``attempts`` (the count the caller read), the claim is also a compare-and-set
+        on the count: won, it wrote ``attempts + 1``, which the caller then knows without
+        reading it back; lost, either another worker holds the step or the count moved
+        since the caller read it (another claim came and went), which the caller tells
+        apart by reading the count again.
         """
         ttl = ttl or ledger_settings.STEP_CLAIM_TTL
         token = new_token()
-        won = _CLAIM.update(self, ttl, step=_pk(step), token=token, by=by)
+        if attempts is None:
+            won = _CLAIM.update(self, ttl, step=_pk(step), token=token, by=by)
+        else:
+            won = _CLAIM_AT.update(self, ttl, step=_pk(step), token=token, by=by, attempts=attempts)
         return token if won == 1 else None
 
     def holds_claim(self, step: Any, token: str) -> bool:

@@ -514,6 +514,60 @@ def test_a_retried_lease_keeps_its_first_baseline(world, isolated_registry):  # 
     assert Res.get(run=run).payload == {"baseline": 1, "applied": 5}
 
 
+# ── W5: the claim's count ──
+
+
+def _making(isolated_registry, things=None, calls=None) -> Action:
+    """A ledger action whose answer names ``things``, or ``params["n"]`` things of its key."""
+
+    def perform(*, run_id, params, idempotency_key):
+        if calls is not None:
+            calls.append(idempotency_key)
+        refs = things or [f"{idempotency_key}-{i}" for i in range(params.get("n", 1))]
+        return {"ok": True, "resources": [{"kind": "thing", "ref": ref} for ref in refs]}
+
+    action = Action(
+        id="t.make",
+        owner="t",
+        reversible="ledger",
+        perform=perform,
+        revert=lambda **k: {"ok": True},
+    )
+    isolated_registry.register_action(action)
+    return action
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("bound,outcome,attempts", [(3, "done", 2), (1, "failed", 2)])
+def test_a_claim_between_the_read_and_the_claim_is_counted(
+    isolated_registry, monkeypatch, settings, bound, outcome, attempts
+):  # W5, bounds: MAX_STEP_ATTEMPTS
+    """Another worker claims the step and gives it back between this worker's read of
+    the step and its claim: the claim, a compare-and-set on the count read, loses; the
+    count is read again and the claim retried, so every claim counts towards the bound
+    (a bound of 1 fails the step without a call, as a read-back count did)."""
+    from events_ledger.querysets import EventRunStepQuerySet
+
+    settings.EVENTS_LEDGER = {"MAX_STEP_ATTEMPTS": bound}
+    calls: list[str] = []
+    _making(isolated_registry, calls=calls)
+    step = new_step(new_run(), "t.make")
+    read = EventRunStepQuerySet.with_run
+
+    def read_then_another_worker_claims(self, pk):
+        found = read(self, pk)
+        token = EventRunStep.objects.claim(pk)
+        assert EventRunStep.objects.settle(pk, token, "pending", "that worker's retry")
+        return found
+
+    monkeypatch.setattr(EventRunStepQuerySet, "with_run", read_then_another_worker_claims)
+    result = execute_step(step)
+    assert result.outcome == outcome
+    assert len(calls) == (outcome == "done")
+    step.refresh_from_db()
+    assert (step.status, step.attempts) == (outcome, attempts)
+
+
 def test_registry_api_is_exported_from_the_package_root():  # S5
     import events_ledger
 
