@@ -273,6 +273,45 @@ def _recording_failed(run: Any, step: EventRunStep, exc: BaseException) -> Recor
     return RecordResult(rejected=[f"recording failed: {type(exc).__name__}: {storable(exc)}"])
 
 
+@dataclass
+class _Answer:
+    """An answer's resources as W1 reads them, before anything is written."""
+
+    ledgered: bool
+    rows: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    rejected: list[str] = field(default_factory=list)
+
+    def expected(self) -> RecordResult:
+        """What ``_write_rows`` answers when every row goes in."""
+        if not self.ledgered:
+            return RecordResult(complete=True)
+        rejected = list(self.rejected)
+        return RecordResult(recorded=len(self.rows), rejected=rejected, complete=not rejected)
+
+
+def _parse(action: Action, resources: Any) -> _Answer:
+    if action.reversible not in LEDGERED:
+        return _Answer(ledgered=False)
+    answer = _Answer(ledgered=True)
+    if resources is None:
+        entries: list[Any] = []
+    elif isinstance(resources, (list, tuple)):
+        entries = list(resources)
+    else:
+        entries = []
+        answer.rejected.append(
+            f"{action.id} reported resources that are not a list: {describe(resources, 60)}"
+        )
+    for entry in entries:
+        parsed = normalise(entry, action.id)
+        if not parsed.ok:
+            answer.rejected.append(parsed.reason or "")
+            continue
+        assert parsed.row is not None
+        answer.rows.setdefault((parsed.row["kind"], parsed.row["ref"]), parsed.row)
+    return answer
+
+
 def _record(
     run: Any,
     step: EventRunStep,
@@ -282,28 +321,23 @@ def _record(
     resolve: bool = True,
 ) -> RecordResult:
     """W3's statements, raising on a database error (inside the caller's transaction)."""
-    out = RecordResult()
-    if action.reversible not in LEDGERED:
+    return _write_rows(run, step, action, placeholder_id, _parse(action, resources), resolve)
+
+
+def _write_rows(
+    run: Any,
+    step: EventRunStep,
+    action: Action,
+    placeholder_id: int | None,
+    answer: _Answer,
+    resolve: bool = True,
+) -> RecordResult:
+    out = RecordResult(rejected=list(answer.rejected))
+    if not answer.ledgered:
         out.complete = True
         return out
     run_id = getattr(run, "pk", run)
-    if resources is None:
-        entries: list[Any] = []
-    elif isinstance(resources, (list, tuple)):
-        entries = list(resources)
-    else:
-        entries = []
-        out.rejected.append(
-            f"{action.id} reported resources that are not a list: {describe(resources, 60)}"
-        )
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
-    for entry in entries:
-        parsed = normalise(entry, action.id)
-        if not parsed.ok:
-            out.rejected.append(parsed.reason or "")
-            continue
-        assert parsed.row is not None
-        rows.setdefault((parsed.row["kind"], parsed.row["ref"]), parsed.row)
+    rows = answer.rows
     if out.rejected:
         # One warning per answer, however many entries it refused.
         logger.warning(
@@ -532,22 +566,8 @@ def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
     outcome and its log line commit together. When that transaction fails, nothing of
     the answer is on the ledger, the placeholder stays, and the outcome is written alone."""
     recorded: list[RecordResult] = []
-
-    def record(
-        run: Any, step: EventRunStep, action: Action, placeholder_id: int | None, resources: Any
-    ) -> RecordResult:
-        # The step's row is locked and the claim checked first: a call whose claim was
-        # taken over (its process stalled past the TTL) still has its rows recorded
-        # (an answer is never dropped), but it must not resolve the placeholder that
-        # the newer call is running under.
-        owned = EventRunStep.objects.holds_claim(b.step, b.token)
-        recorded.append(_record(run, step, action, placeholder_id, resources, resolve=owned))
-        return recorded[-1]
-
     try:
-        result = in_transaction(
-            lambda: _settle(b.step, b.token, _outcome(b, call, record), late=late)
-        )
+        result = in_transaction(lambda: _settle_answer(b, call, recorded, late=late))
     except Exception as exc:
         failure = _recording_failed(b.run, b.step, exc)
 
@@ -560,13 +580,45 @@ def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
     return result
 
 
+def _settle_answer(
+    b: _Begun, call: CallResult, recorded: list[RecordResult], *, late: bool
+) -> StepResult:
+    """Durable moment 2's statements, inside its transaction."""
+    if call.error is not None or not is_success(call.value):
+        return _settle(b.step, b.token, _unanswered(b, call), late=late)
+    answer = _parse(b.action, call.value.get("resources"))
+    # The outcome first, as it reads when every row goes in. Its UPDATE is fenced by the
+    # claim and locks the step's row, so it answers whether this call's claim is still
+    # the current one, and no newer claim can take the step before the commit. A call
+    # whose claim was taken over (its process stalled past the TTL) still has its rows
+    # recorded (an answer is never dropped), but must not resolve the placeholder the
+    # newer call runs under. Only the INSERT can tell that a row did not go in (its
+    # target held by another run): the error text is then corrected under the lock.
+    expected = _done(answer.expected())
+    written = _write_outcome(b.step, b.token, expected)
+    out = _write_rows(b.run, b.step, b.action, b.placeholder_id, answer, resolve=written)
+    recorded.append(out)
+    result = _done(out)
+    status, _, error = _verdict(b.step, result)
+    expected_status, _, expected_error = _verdict(b.step, expected)
+    if written and (status, error) != (expected_status, expected_error):
+        EventRunStep.objects.reword(b.step, b.token, status, error)
+    return _logged(b.step, result, written, late=late)
+
+
 def _outcome(b: _Begun, call: CallResult, record: Callable[..., RecordResult]) -> StepResult:
+    if call.error is not None or not is_success(call.value):
+        return _unanswered(b, call)
+    return _done(record(b.run, b.step, b.action, b.placeholder_id, call.value.get("resources")))
+
+
+def _unanswered(b: _Begun, call: CallResult) -> StepResult:
     if call.error is not None:
         return StepResult("retry", error=call.message)
-    answer = call.value
-    if not is_success(answer):
-        return _failure(b.action.id, answer)
-    recorded = record(b.run, b.step, b.action, b.placeholder_id, answer.get("resources"))
+    return _failure(b.action.id, call.value)
+
+
+def _done(recorded: RecordResult) -> StepResult:
     result = StepResult("done", recorded.recorded, recorded.rejected)
     if not recorded.complete:
         result.error = (
@@ -590,14 +642,25 @@ def _failure(what: str, answer: Any) -> StepResult:
 def _settle(
     step: EventRunStep, token: str, result: StepResult, *, late: bool = False
 ) -> StepResult:
-    status = {"done": "done", "refused": "refused", "failed": "failed"}.get(
-        result.outcome, "pending"
-    )
-    if result.outcome == "retry" and step.attempts >= ledger_settings.MAX_STEP_ATTEMPTS:
-        status, result.outcome = "failed", "failed"
+    written = _write_outcome(step, token, result)
+    return _logged(step, result, written, late=late)
+
+
+def _verdict(step: EventRunStep, result: StepResult) -> tuple[str, str, str | None]:
+    """The step's status, the outcome and the error text a result is written as."""
+    outcome = result.outcome
+    status = {"done": "done", "refused": "refused", "failed": "failed"}.get(outcome, "pending")
+    if outcome == "retry" and step.attempts >= ledger_settings.MAX_STEP_ATTEMPTS:
+        status, outcome = "failed", "failed"
     error = result.error
     if error is None and result.rejected:
         error = "; ".join(bounded(result.rejected, REASONS_SHOWN))
+    return status, outcome, error
+
+
+def _write_outcome(step: EventRunStep, token: str, result: StepResult) -> bool:
+    """The step's outcome under the caller's claim; answers whether the claim held."""
+    status, result.outcome, error = _verdict(step, result)
     try:
         written = EventRunStep.objects.settle(step, token, status, error)
     except Exception:
@@ -609,6 +672,12 @@ def _settle(
         written = EventRunStep.objects.settle(
             step, token, status, f"{result.outcome} (the error text could not be stored)"
         )
+    return written
+
+
+def _logged(
+    step: EventRunStep, result: StepResult, written: bool, *, late: bool = False
+) -> StepResult:
     if not written:
         logger.warning(
             "step %s: a newer claim took it over; outcome %s not written", step.pk, result.outcome

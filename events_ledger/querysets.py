@@ -292,16 +292,6 @@ class EventRunStepQuerySet(models.QuerySet):
             won = _CLAIM_AT.update(self, ttl, step=_pk(step), token=token, by=by, attempts=attempts)
         return token if won == 1 else None
 
-    def holds_claim(self, step: Any, token: str) -> bool:
-        """Lock the step's row and answer whether the caller's claim is still the current
-        one: inside a transaction, nothing the caller writes after this can race a newer
-        claim of the same step."""
-        return (
-            self.select_for_update()
-            .filter(pk=_pk(step), claim_token=token, status="running")
-            .exists()
-        )
-
     def attempts_of(self, step: Any) -> int:
         rows = _ATTEMPTS.rows(self, step=_pk(step))
         if not rows:
@@ -321,9 +311,23 @@ class EventRunStepQuerySet(models.QuerySet):
         return self.filter(status="running", claimed_at__gte=UtcNow() - ttl)
 
     def settle(self, step: Any, token: str, status: str, error: str | None = None) -> bool:
-        """Write a step's outcome, only while the caller's claim is still the current one."""
+        """Write a step's outcome, only while the caller's claim is still the current one.
+
+        Inside a transaction the UPDATE also locks the step's row: answered True, no newer
+        claim can take the step before the caller commits."""
         text = None if error is None else storable(error, 2000)
         return _SETTLE.update(self, step=_pk(step), token=token, status=status, error=text) == 1
+
+    def reword(self, step: Any, token: str, status: str, error: str | None) -> bool:
+        """Correct the error text of the outcome ``settle`` wrote under the caller's claim
+        in the caller's transaction (the step's row is locked since)."""
+        text = None if error is None else storable(error, 2000)
+        return (
+            self.filter(pk=_pk(step), claim_token=token, status=status).update(
+                last_error=text, updated_at=UtcNow()
+            )
+            == 1
+        )
 
 
 # ── the ledger ────────────────────────────────────────────────────────────────
