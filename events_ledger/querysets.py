@@ -229,38 +229,45 @@ _SETTLE = Prepared(
 )
 
 
-def _step_with_run(base: Any, *, step: int) -> Any:
-    run = base.model._meta.get_field("run").related_model
-    return (
+#: What executing a step reads of the step and of its run. The other columns stay
+#: deferred, as ``only()`` leaves them (read on access): a datetime column costs a
+#: conversion, and nothing of the write half reads one.
+STEP_COLUMNS = (
+    "id",
+    "run_id",
+    "phase",
+    "seq",
+    "action_id",
+    "params",
+    "idempotency_key",
+    "status",
+    "attempts",
+    "claim_token",
+)
+RUN_COLUMNS = ("id", "status", "cleanup_status")
+
+_STEP_WITH_RUN = Prepared(
+    lambda base, *, step: (
         base.filter(pk=step)
         .order_by()
-        .values_list(
-            *(f.attname for f in base.model._meta.concrete_fields),
-            *(f"run__{f.attname}" for f in run._meta.concrete_fields),
-        )
-    )
-
-
-_STEP_WITH_RUN = Prepared(_step_with_run, step=int)
+        .values_list(*STEP_COLUMNS, *(f"run__{name}" for name in RUN_COLUMNS))
+    ),
+    step=int,
+)
 
 
 class EventRunStepQuerySet(models.QuerySet):
     def with_run(self, step: Any) -> Any:
-        """The step with its run cached on it, as ``select_related("run")`` reads them,
-        in one statement; None when there is no such step."""
+        """The step with its run cached on it, as ``select_related("run").only(...)``
+        reads them (``STEP_COLUMNS``, ``RUN_COLUMNS``), in one statement; None when
+        there is no such step."""
         rows = _STEP_WITH_RUN.rows(self, step=_pk(step))
         if not rows:
             return None
-        run_model = self.model._meta.get_field("run").related_model
-        step_fields = self.model._meta.concrete_fields
-        run_fields = run_model._meta.concrete_fields
-        found = self.model.from_db(
-            self.db, [f.attname for f in step_fields], rows[0][: len(step_fields)]
-        )
-        run = run_model.from_db(
-            self.db, [f.attname for f in run_fields], rows[0][len(step_fields) :]
-        )
-        self.model._meta.get_field("run").set_cached_value(found, run)
+        field = self.model._meta.get_field("run")
+        found = self.model.from_db(self.db, STEP_COLUMNS, rows[0][: len(STEP_COLUMNS)])
+        run = field.related_model.from_db(self.db, RUN_COLUMNS, rows[0][len(STEP_COLUMNS) :])
+        field.set_cached_value(found, run)
         return found
 
     def claim(

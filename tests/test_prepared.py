@@ -169,3 +169,21 @@ def test_threads_share_one_compiled_statement_per_database():  # steps run in ma
         thread.join()
     assert answers == {s.pk: "t" for s in steps}
     assert list(select._cache) == [("default", connection.vendor, ())]
+
+
+@pytest.mark.django_db
+def test_a_step_is_read_with_its_run_as_the_orm_reads_them():  # W5, statements compiled once
+    from events_ledger.querysets import RUN_COLUMNS, STEP_COLUMNS
+
+    step = claimed_step()
+    with CaptureQueriesContext(connection) as q:
+        found = Steps.with_run(step.pk)
+        run = found.run
+    assert len(q) == 1
+    orms = Steps.select_related("run").get(pk=step.pk)
+    assert [getattr(found, c) for c in STEP_COLUMNS] == [getattr(orms, c) for c in STEP_COLUMNS]
+    assert [getattr(run, c) for c in RUN_COLUMNS] == [getattr(orms.run, c) for c in RUN_COLUMNS]
+    assert not found._state.adding and found._state.db == "default"
+    # The columns a step's execution does not read are loaded on access, as only()'s are.
+    assert (found.claimed_by, run.name) == (orms.claimed_by, orms.run.name)
+    assert Steps.with_run(step.pk + 1000) is None
