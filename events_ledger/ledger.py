@@ -275,6 +275,45 @@ def _recording_failed(run: Any, step: EventRunStep, exc: BaseException) -> Recor
     return RecordResult(rejected=[f"recording failed: {type(exc).__name__}: {storable(exc)}"])
 
 
+@dataclass
+class _Answer:
+    """An answer's resources as W1 reads them, before anything is written."""
+
+    ledgered: bool
+    rows: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    rejected: list[str] = field(default_factory=list)
+
+    def expected(self) -> RecordResult:
+        """What ``_write_rows`` answers when every row goes in."""
+        if not self.ledgered:
+            return RecordResult(complete=True)
+        rejected = list(self.rejected)
+        return RecordResult(recorded=len(self.rows), rejected=rejected, complete=not rejected)
+
+
+def _parse(action: Action, resources: Any) -> _Answer:
+    if action.reversible not in LEDGERED:
+        return _Answer(ledgered=False)
+    answer = _Answer(ledgered=True)
+    if resources is None:
+        entries: list[Any] = []
+    elif isinstance(resources, (list, tuple)):
+        entries = list(resources)
+    else:
+        entries = []
+        answer.rejected.append(
+            f"{action.id} reported resources that are not a list: {describe(resources, 60)}"
+        )
+    for entry in entries:
+        parsed = normalise(entry, action.id)
+        if not parsed.ok:
+            answer.rejected.append(parsed.reason or "")
+            continue
+        assert parsed.row is not None
+        answer.rows.setdefault((parsed.row["kind"], parsed.row["ref"]), parsed.row)
+    return answer
+
+
 def _record(
     run: Any,
     step: EventRunStep,
@@ -284,28 +323,23 @@ def _record(
     resolve: bool = True,
 ) -> RecordResult:
     """W3's statements, raising on a database error (inside the caller's transaction)."""
-    out = RecordResult()
-    if action.reversible not in LEDGERED:
+    return _write_rows(run, step, action, placeholder_id, _parse(action, resources), resolve)
+
+
+def _write_rows(
+    run: Any,
+    step: EventRunStep,
+    action: Action,
+    placeholder_id: int | None,
+    answer: _Answer,
+    resolve: bool = True,
+) -> RecordResult:
+    out = RecordResult(rejected=list(answer.rejected))
+    if not answer.ledgered:
         out.complete = True
         return out
     run_id = getattr(run, "pk", run)
-    if resources is None:
-        entries: list[Any] = []
-    elif isinstance(resources, (list, tuple)):
-        entries = list(resources)
-    else:
-        entries = []
-        out.rejected.append(
-            f"{action.id} reported resources that are not a list: {describe(resources, 60)}"
-        )
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
-    for entry in entries:
-        parsed = normalise(entry, action.id)
-        if not parsed.ok:
-            out.rejected.append(parsed.reason or "")
-            continue
-        assert parsed.row is not None
-        rows.setdefault((parsed.row["kind"], parsed.row["ref"]), parsed.row)
+    rows = answer.rows
     if out.rejected:
         # One warning per answer, however many entries it refused.
         logger.warning(
@@ -418,7 +452,7 @@ def _claim_and_execute(step_id: int) -> StepResult:
 
 
 def _begin(step_id: int) -> _Begun | StepResult:
-    step = EventRunStep.objects.select_related("run").filter(pk=step_id).first()
+    step = EventRunStep.objects.with_run(step_id)
     if step is None:
         raise EventRunStep.DoesNotExist(f"there is no step {step_id}")
     run = step.run
@@ -435,13 +469,10 @@ def _begin(step_id: int) -> _Begun | StepResult:
         # status), and a write to the run after that deadlocks with a host's own UPDATE
         # of the run, such as cancelling it, which would be the one to fail.
         mark_run_dirty(run.pk)
-    token = EventRunStep.objects.claim(step_id, by=process_name())
+    token = _claim(step)
     if token is None:
         return StepResult("busy", error="another call of this step holds its claim")
-    # As the claim just wrote it; the count read back, since another worker may have
-    # claimed and settled the step between the read above and this claim.
-    step.status, step.claim_token = "running", token
-    step.attempts = EventRunStep.objects.attempts_of(step_id)
+    step.status, step.claim_token = "running", token  # as the claim just wrote them
     max_attempts = ledger_settings.MAX_STEP_ATTEMPTS
     if step.attempts > max_attempts:
         # Claimed again after attempts whose outcome never got written (a worker died
@@ -466,6 +497,33 @@ def _begin(step_id: int) -> _Begun | StepResult:
         error = "its placeholder is being given back by a cleanup; not performed"
         return _settle(step, token, StepResult("retry", error=error))
     return _Begun(token, step, run, action, placeholder_id)
+
+
+def _claim(step: EventRunStep) -> str | None:
+    """Claim the step, knowing the attempt count the claim wrote without reading it back:
+    the claim is a compare-and-set on the count read with the step. Another worker may
+    have claimed (and settled) the step between that read and this claim; its claim
+    moved the count, so this one loses, reads the count again and tries once more.
+
+    A lost claim whose count did not move is a step another call holds: the count only
+    grows (every claim adds one, nothing else writes it), so the same count read after
+    the claim means no claim came between the first read and the claim, which lost on
+    the step's status alone, as the plain claim would have. Answers the token, or None.
+    """
+    seen = step.attempts
+    for _ in range(3):
+        token = EventRunStep.objects.claim(step.pk, by=process_name(), attempts=seen)
+        if token is not None:
+            step.attempts = seen + 1
+            return token
+        try:
+            now = EventRunStep.objects.attempts_of(step.pk)
+        except EventRunStep.DoesNotExist:
+            return None
+        if now == seen:
+            return None
+        seen = now
+    return None  # claimed by others three times over meanwhile: busy all the same
 
 
 def _call(b: _Begun) -> tuple[StepResult, bool]:
@@ -511,22 +569,8 @@ def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
     outcome and its log line commit together. When that transaction fails, nothing of
     the answer is on the ledger, the placeholder stays, and the outcome is written alone."""
     recorded: list[RecordResult] = []
-
-    def record(
-        run: Any, step: EventRunStep, action: Action, placeholder_id: int | None, resources: Any
-    ) -> RecordResult:
-        # The step's row is locked and the claim checked first: a call whose claim was
-        # taken over (its process stalled past the TTL) still has its rows recorded
-        # (an answer is never dropped), but it must not resolve the placeholder that
-        # the newer call is running under.
-        owned = EventRunStep.objects.holds_claim(b.step, b.token)
-        recorded.append(_record(run, step, action, placeholder_id, resources, resolve=owned))
-        return recorded[-1]
-
     try:
-        result = in_transaction(
-            lambda: _settle(b.step, b.token, _outcome(b, call, record), late=late)
-        )
+        result = in_transaction(lambda: _settle_answer(b, call, recorded, late=late))
     except Exception as exc:
         failure = _recording_failed(b.run, b.step, exc)
 
@@ -539,13 +583,45 @@ def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
     return result
 
 
+def _settle_answer(
+    b: _Begun, call: CallResult, recorded: list[RecordResult], *, late: bool
+) -> StepResult:
+    """Durable moment 2's statements, inside its transaction."""
+    if call.error is not None or not is_success(call.value):
+        return _settle(b.step, b.token, _unanswered(b, call), late=late)
+    answer = _parse(b.action, call.value.get("resources"))
+    # The outcome first, as it reads when every row goes in. Its UPDATE is fenced by the
+    # claim and locks the step's row, so it answers whether this call's claim is still
+    # the current one, and no newer claim can take the step before the commit. A call
+    # whose claim was taken over (its process stalled past the TTL) still has its rows
+    # recorded (an answer is never dropped), but must not resolve the placeholder the
+    # newer call runs under. Only the INSERT can tell that a row did not go in (its
+    # target held by another run): the error text is then corrected under the lock.
+    expected = _done(answer.expected())
+    written = _write_outcome(b.step, b.token, expected)
+    out = _write_rows(b.run, b.step, b.action, b.placeholder_id, answer, resolve=written)
+    recorded.append(out)
+    result = _done(out)
+    status, _, error = _verdict(b.step, result)
+    expected_status, _, expected_error = _verdict(b.step, expected)
+    if written and (status, error) != (expected_status, expected_error):
+        EventRunStep.objects.reword(b.step, b.token, status, error)
+    return _logged(b.step, result, written, late=late)
+
+
 def _outcome(b: _Begun, call: CallResult, record: Callable[..., RecordResult]) -> StepResult:
+    if call.error is not None or not is_success(call.value):
+        return _unanswered(b, call)
+    return _done(record(b.run, b.step, b.action, b.placeholder_id, call.value.get("resources")))
+
+
+def _unanswered(b: _Begun, call: CallResult) -> StepResult:
     if call.error is not None:
         return StepResult("retry", error=call.message)
-    answer = call.value
-    if not is_success(answer):
-        return _failure(b.action.id, answer)
-    recorded = record(b.run, b.step, b.action, b.placeholder_id, answer.get("resources"))
+    return _failure(b.action.id, call.value)
+
+
+def _done(recorded: RecordResult) -> StepResult:
     result = StepResult("done", recorded.recorded, recorded.rejected)
     if not recorded.complete:
         result.error = (
@@ -569,14 +645,25 @@ def _failure(what: str, answer: Any) -> StepResult:
 def _settle(
     step: EventRunStep, token: str, result: StepResult, *, late: bool = False
 ) -> StepResult:
-    status = {"done": "done", "refused": "refused", "failed": "failed"}.get(
-        result.outcome, "pending"
-    )
-    if result.outcome == "retry" and step.attempts >= ledger_settings.MAX_STEP_ATTEMPTS:
-        status, result.outcome = "failed", "failed"
+    written = _write_outcome(step, token, result)
+    return _logged(step, result, written, late=late)
+
+
+def _verdict(step: EventRunStep, result: StepResult) -> tuple[str, str, str | None]:
+    """The step's status, the outcome and the error text a result is written as."""
+    outcome = result.outcome
+    status = {"done": "done", "refused": "refused", "failed": "failed"}.get(outcome, "pending")
+    if outcome == "retry" and step.attempts >= ledger_settings.MAX_STEP_ATTEMPTS:
+        status, outcome = "failed", "failed"
     error = result.error
     if error is None and result.rejected:
         error = "; ".join(bounded(result.rejected, REASONS_SHOWN))
+    return status, outcome, error
+
+
+def _write_outcome(step: EventRunStep, token: str, result: StepResult) -> bool:
+    """The step's outcome under the caller's claim; answers whether the claim held."""
+    status, result.outcome, error = _verdict(step, result)
     try:
         written = EventRunStep.objects.settle(step, token, status, error)
     except Exception:
@@ -588,6 +675,12 @@ def _settle(
         written = EventRunStep.objects.settle(
             step, token, status, f"{result.outcome} (the error text could not be stored)"
         )
+    return written
+
+
+def _logged(
+    step: EventRunStep, result: StepResult, written: bool, *, late: bool = False
+) -> StepResult:
     if not written:
         logger.warning(
             "step %s: a newer claim took it over; outcome %s not written", step.pk, result.outcome

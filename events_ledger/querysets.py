@@ -32,7 +32,7 @@ from django.db.models.expressions import RawSQL
 from django.db.models.functions import Greatest
 
 from .conf import ledger_settings
-from .db import UtcNow, chunked, is_unique_violation, retrying_deadlocks, storable
+from .db import Prepared, UtcNow, chunked, is_unique_violation, retrying_deadlocks, storable
 from .states import HELD, LIVE, RUN_TERMINAL, STEP_KIND, UNRESOLVED
 
 if TYPE_CHECKING:
@@ -91,6 +91,18 @@ def _runs_of(rows: models.QuerySet) -> Any:
 # ── runs ──────────────────────────────────────────────────────────────────────
 
 
+def _set_cleanup_status(
+    base: Any, only_from: tuple[str, ...] | None, *, run: int, status: str
+) -> tuple[Any, dict[str, Any]]:
+    qs = base.filter(pk=run).exclude(cleanup_status=status)
+    if only_from is not None:
+        qs = qs.filter(cleanup_status__in=list(only_from))
+    return qs, {"cleanup_status": status, "updated_at": UtcNow()}
+
+
+_SET_CLEANUP_STATUS = Prepared(_set_cleanup_status, run=int, status=str)
+
+
 class EventRunQuerySet(models.QuerySet):
     def terminal(self) -> EventRunQuerySet:
         return self.filter(status__in=RUN_TERMINAL)
@@ -111,10 +123,8 @@ class EventRunQuerySet(models.QuerySet):
         self, run: Any, status: str, only_from: Iterable[str] | None = None
     ) -> bool:
         """Set ``cleanup_status``, from the given statuses only when named."""
-        qs = self.filter(pk=_pk(run)).exclude(cleanup_status=status)
-        if only_from is not None:
-            qs = qs.filter(cleanup_status__in=list(only_from))
-        return qs.update(cleanup_status=status, updated_at=UtcNow()) == 1
+        only = None if only_from is None else tuple(only_from)
+        return _SET_CLEANUP_STATUS.update(self, only, run=_pk(run), status=status) == 1
 
     def _derived_cleanup_status(self, max_attempts: int, max_claims: int) -> Case:
         from .models import EventRunResource
@@ -259,44 +269,117 @@ class EventRunQuerySet(models.QuerySet):
 # ── steps ─────────────────────────────────────────────────────────────────────
 
 
+def _claim(
+    base: Any, ttl: timedelta, *, step: int, token: str, by: str, attempts: int | None = None
+) -> tuple[Any, dict[str, Any]]:
+    qs = base.filter(pk=step).filter(
+        Q(status="pending") | Q(status="running", claimed_at__lt=UtcNow() - ttl)
+    )
+    if attempts is not None:
+        qs = qs.filter(attempts=attempts)
+    # claim_token and claimed_at change on every claim: matched == changed.
+    return qs, {
+        "status": "running",
+        "claim_token": token,
+        "claimed_at": UtcNow(),
+        "claimed_by": by,
+        "attempts": F("attempts") + 1,
+        "updated_at": UtcNow(),
+    }
+
+
+_CLAIM = Prepared(_claim, step=int, token=str, by=str)
+_CLAIM_AT = Prepared(_claim, step=int, token=str, by=str, attempts=int)
+_ATTEMPTS = Prepared(
+    lambda base, *, step: base.filter(pk=step).order_by().values_list("attempts"), step=int
+)
+_SETTLE = Prepared(
+    lambda base, *, step, token, status, error: (
+        base.filter(pk=step, claim_token=token, status="running"),
+        {"status": status, "updated_at": UtcNow(), "last_error": error},
+    ),
+    step=int,
+    token=str,
+    status=str,
+    error=str,
+)
+
+
+#: What executing a step reads of the step and of its run. The other columns stay
+#: deferred, as ``only()`` leaves them (read on access): a datetime column costs a
+#: conversion, and nothing of the write half reads one.
+STEP_COLUMNS = (
+    "id",
+    "run_id",
+    "phase",
+    "seq",
+    "action_id",
+    "params",
+    "idempotency_key",
+    "status",
+    "attempts",
+    "claim_token",
+)
+RUN_COLUMNS = ("id", "status", "cleanup_status")
+
+_STEP_WITH_RUN = Prepared(
+    lambda base, *, step: (
+        base.filter(pk=step)
+        .order_by()
+        .values_list(*STEP_COLUMNS, *(f"run__{name}" for name in RUN_COLUMNS))
+    ),
+    step=int,
+)
+
+
 class EventRunStepQuerySet(models.QuerySet):
-    def claim(self, step: Any, ttl: timedelta | None = None, by: str | None = None) -> str | None:
+    def with_run(self, step: Any) -> Any:
+        """The step with its run cached on it, as ``select_related("run").only(...)``
+        reads them (``STEP_COLUMNS``, ``RUN_COLUMNS``), in one statement; None when
+        there is no such step."""
+        rows = _STEP_WITH_RUN.rows(self, step=_pk(step))
+        if not rows:
+            return None
+        field = self.model._meta.get_field("run")
+        found = self.model.from_db(self.db, STEP_COLUMNS, rows[0][: len(STEP_COLUMNS)])
+        run = field.related_model.from_db(self.db, RUN_COLUMNS, rows[0][len(STEP_COLUMNS) :])
+        field.set_cached_value(found, run)
+        return found
+
+    def claim(
+        self,
+        step: Any,
+        ttl: timedelta | None = None,
+        by: str | None = None,
+        *,
+        attempts: int | None = None,
+    ) -> str | None:
         """Claim a step to execute it: ``pending → running``, or a ``running`` step whose
         claim is older than the TTL (its worker died: a live worker keeps its claim
         fresh for as long as a call of the step runs, see ``inflight``). Answers the
         claim's token, or None when another worker holds it. Exactly one concurrent
         caller wins; every claim counts an attempt, so a step that kills its worker
         cannot loop for ever.
+
+        With ``attempts`` (the count the caller read), the claim is also a compare-and-set
+        on the count: won, it wrote ``attempts + 1``, which the caller then knows without
+        reading it back; lost, either another worker holds the step or the count moved
+        since the caller read it (another claim came and went), which the caller tells
+        apart by reading the count again.
         """
         ttl = ttl or ledger_settings.STEP_CLAIM_TTL
         token = new_token()
-        won = (
-            self.filter(pk=_pk(step))
-            .filter(Q(status="pending") | Q(status="running", claimed_at__lt=UtcNow() - ttl))
-            # claim_token and claimed_at change on every claim: matched == changed.
-            .update(
-                status="running",
-                claim_token=token,
-                claimed_at=UtcNow(),
-                claimed_by=by,
-                attempts=F("attempts") + 1,
-                updated_at=UtcNow(),
-            )
-        )
+        if attempts is None:
+            won = _CLAIM.update(self, ttl, step=_pk(step), token=token, by=by)
+        else:
+            won = _CLAIM_AT.update(self, ttl, step=_pk(step), token=token, by=by, attempts=attempts)
         return token if won == 1 else None
 
-    def holds_claim(self, step: Any, token: str) -> bool:
-        """Lock the step's row and answer whether the caller's claim is still the current
-        one: inside a transaction, nothing the caller writes after this can race a newer
-        claim of the same step."""
-        return (
-            self.select_for_update()
-            .filter(pk=_pk(step), claim_token=token, status="running")
-            .exists()
-        )
-
     def attempts_of(self, step: Any) -> int:
-        return int(self.filter(pk=_pk(step)).values_list("attempts", flat=True).get())
+        rows = _ATTEMPTS.rows(self, step=_pk(step))
+        if not rows:
+            raise self.model.DoesNotExist(f"there is no step {_pk(step)}")
+        return int(rows[0][0])
 
     def refresh_claims(self, tokens: Sequence[str]) -> int:
         """Re-stamp the claims of calls that still run, so nobody takes them for dead."""
@@ -311,10 +394,23 @@ class EventRunStepQuerySet(models.QuerySet):
         return self.filter(status="running", claimed_at__gte=UtcNow() - ttl)
 
     def settle(self, step: Any, token: str, status: str, error: str | None = None) -> bool:
-        """Write a step's outcome, only while the caller's claim is still the current one."""
-        values: dict[str, Any] = {"status": status, "updated_at": UtcNow()}
-        values["last_error"] = None if error is None else storable(error, 2000)
-        return self.filter(pk=_pk(step), claim_token=token, status="running").update(**values) == 1
+        """Write a step's outcome, only while the caller's claim is still the current one.
+
+        Inside a transaction the UPDATE also locks the step's row: answered True, no newer
+        claim can take the step before the caller commits."""
+        text = None if error is None else storable(error, 2000)
+        return _SETTLE.update(self, step=_pk(step), token=token, status=status, error=text) == 1
+
+    def reword(self, step: Any, token: str, status: str, error: str | None) -> bool:
+        """Correct the error text of the outcome ``settle`` wrote under the caller's claim
+        in the caller's transaction (the step's row is locked since)."""
+        text = None if error is None else storable(error, 2000)
+        return (
+            self.filter(pk=_pk(step), claim_token=token, status=status).update(
+                last_error=text, updated_at=UtcNow()
+            )
+            == 1
+        )
 
 
 # ── the ledger ────────────────────────────────────────────────────────────────
@@ -350,6 +446,25 @@ class GroupClaim:
     @property
     def ids(self) -> list[int]:
         return [r.pk for r in self.rows]
+
+
+_LIVE_PLACEHOLDER = Prepared(
+    lambda base, *, owner, key, run: (
+        base.filter(owner_module=owner, kind=STEP_KIND, ref=key, run=run, status__in=LIVE)
+        .order_by("-pk")
+        .values_list("pk")[:1]
+    ),
+    owner=str,
+    key=str,
+    run=int,
+)
+_RESOLVE_PLACEHOLDER = Prepared(
+    lambda base, *, row: (
+        base.filter(pk=row, kind=STEP_KIND, status__in=LIVE),
+        {"status": "reverted", "last_error": None, "updated_at": UtcNow()},
+    ),
+    row=int,
+)
 
 
 class EventRunResourceQuerySet(models.QuerySet):
@@ -450,12 +565,8 @@ class EventRunResourceQuerySet(models.QuerySet):
             return new_id
         # This step's earlier attempt wrote it, and it is still live. One that a sweeper
         # is giving back (reverting) is not reused: the caller must not perform under it.
-        return (
-            self.filter(owner_module=owner, kind=STEP_KIND, ref=key, run=_pk(run), status__in=LIVE)
-            .order_by("-pk")
-            .values_list("pk", flat=True)
-            .first()
-        )
+        found = _LIVE_PLACEHOLDER.rows(self, owner=owner, key=key, run=_pk(run))
+        return found[0][0] if found else None
 
     def _insert_ignoring_held(
         self, run: Any, step: Any, owner: str, rows: Sequence[Mapping[str, Any]], status: str
@@ -599,12 +710,7 @@ class EventRunResourceQuerySet(models.QuerySet):
     def resolve_placeholder(self, pk: Any) -> bool:
         """An answered step's ``@step`` row: ``pending|confirmed → reverted``, which frees
         its idempotency key."""
-        return (
-            self.filter(pk=_pk(pk), kind=STEP_KIND, status__in=LIVE).update(
-                status="reverted", last_error=None, updated_at=UtcNow()
-            )
-            == 1
-        )
+        return _RESOLVE_PLACEHOLDER.update(self, row=_pk(pk)) == 1
 
     # ── R4 reads ──
 

@@ -669,6 +669,36 @@ def test_an_interrupted_wait_still_records_the_answer(world, isolated_registry):
     assert Res.filter(run=run, kind="creature", status="confirmed").count() == 1
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_call_whose_claim_was_taken_over_records_but_never_resolves(
+    isolated_registry, caplog
+):  # one call of a step, rule 1
+    """This worker stalled past the claim's TTL and another took the step over while the
+    call ran: the answer is still recorded (never dropped), but neither the outcome nor
+    the placeholder the newer call runs under is written by it."""
+
+    def perform(*, run_id: int, params: dict[str, Any], idempotency_key: str) -> Any:
+        try:
+            EventRunStep.objects.filter(idempotency_key=idempotency_key).update(claim_token="newer")
+        finally:
+            connections.close_all()
+        return {"ok": True, "resources": [{"kind": "creature", "ref": "made"}]}
+
+    register_spawn(isolated_registry, perform, budget_ms=10_000)
+    run = new_run()
+    step = new_step(run, "t.spawn")
+    with caplog.at_level("WARNING", logger="events_ledger"):
+        result = execute_step(step)
+    assert (result.outcome, result.recorded) == ("done", 1)
+    assert Res.get(run=run, kind="creature").status == "confirmed"
+    assert Res.get(run=run, kind=STEP_KIND).status == "pending"
+    step.refresh_from_db()
+    assert (step.status, step.claim_token) == ("running", "newer")
+    assert "a newer claim took it over" in caplog.text
+    run.refresh_from_db()
+    assert run.cleanup_status == "pending"
+
+
 @pytest.mark.django_db
 def test_an_owner_longer_than_the_ledger_column_is_a_check_error(isolated_registry):  # S5
     from events_ledger.checks import E008, check_registrations

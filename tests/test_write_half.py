@@ -514,6 +514,120 @@ def test_a_retried_lease_keeps_its_first_baseline(world, isolated_registry):  # 
     assert Res.get(run=run).payload == {"baseline": 1, "applied": 5}
 
 
+# ── W5: what a step costs; the claim's count ──
+
+
+def _making(isolated_registry, things=None, calls=None) -> Action:
+    """A ledger action whose answer names ``things``, or ``params["n"]`` things of its key."""
+
+    def perform(*, run_id, params, idempotency_key):
+        if calls is not None:
+            calls.append(idempotency_key)
+        refs = things or [f"{idempotency_key}-{i}" for i in range(params.get("n", 1))]
+        return {"ok": True, "resources": [{"kind": "thing", "ref": ref} for ref in refs]}
+
+    action = Action(
+        id="t.make",
+        owner="t",
+        reversible="ledger",
+        perform=perform,
+        revert=lambda **k: {"ok": True},
+    )
+    isolated_registry.register_action(action)
+    return action
+
+
+def _statements(step) -> list[tuple[int, str]]:
+    """The statements a step runs, each with the transaction it ran in (1, 2, ...)."""
+    seen: list[tuple[int, str]] = []
+    blocks: list[object] = []
+
+    def wrapper(execute, sql, params, many, context):
+        word = sql.split()[0].upper()
+        if word not in ("BEGIN", "SAVEPOINT", "RELEASE"):
+            conn = context["connection"]
+            block = conn.atomic_blocks[0] if conn.in_atomic_block else None
+            if block is not None and all(b is not block for b in blocks):
+                blocks.append(block)
+            seen.append((next((i for i, b in enumerate(blocks, 1) if b is block), 0), word))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(wrapper):
+        result = execute_step(step)
+    assert result.outcome == "done" and not result.rejected, result
+    return seen
+
+
+@pytestmark_world  # the step's own transactions, not a test's around them
+def test_a_step_costs_seven_statements_in_two_transactions_whatever_its_size(
+    isolated_registry,
+):  # W5, rule 1, performance
+    _making(isolated_registry)
+    run = new_run()
+    # Durable moment 1: read the step and its run, mark the run dirty, claim, placeholder.
+    first = [(1, "SELECT"), (1, "UPDATE"), (1, "UPDATE"), (1, "INSERT")]
+    # Durable moment 2: the outcome (which also checks the claim), the rows, the resolve.
+    second = [(2, "UPDATE"), (2, "INSERT"), (2, "UPDATE")]
+    assert _statements(new_step(run, "t.make", {"n": 1})) == first + second
+    # The run is dirty already, so its mark is not written again; 50 rows cost the same.
+    dirty = [first[0], *first[2:]]
+    assert _statements(new_step(run, "t.make", {"n": 50}, seq=1)) == dirty + second
+    assert Res.filter(run=run, kind="thing", status="confirmed").count() == 51
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("bound,outcome,attempts", [(3, "done", 2), (1, "failed", 2)])
+def test_a_claim_between_the_read_and_the_claim_is_counted(
+    isolated_registry, monkeypatch, settings, bound, outcome, attempts
+):  # W5, bounds: MAX_STEP_ATTEMPTS
+    """Another worker claims the step and gives it back between this worker's read of
+    the step and its claim: the claim, a compare-and-set on the count read, loses; the
+    count is read again and the claim retried, so every claim counts towards the bound
+    (a bound of 1 fails the step without a call, as a read-back count did)."""
+    from events_ledger.querysets import EventRunStepQuerySet
+
+    settings.EVENTS_LEDGER = {"MAX_STEP_ATTEMPTS": bound}
+    calls: list[str] = []
+    _making(isolated_registry, calls=calls)
+    step = new_step(new_run(), "t.make")
+    read = EventRunStepQuerySet.with_run
+
+    def read_then_another_worker_claims(self, pk):
+        found = read(self, pk)
+        token = EventRunStep.objects.claim(pk)
+        assert EventRunStep.objects.settle(pk, token, "pending", "that worker's retry")
+        return found
+
+    monkeypatch.setattr(EventRunStepQuerySet, "with_run", read_then_another_worker_claims)
+    result = execute_step(step)
+    assert result.outcome == outcome
+    assert len(calls) == (outcome == "done")
+    step.refresh_from_db()
+    assert (step.status, step.attempts) == (outcome, attempts)
+
+
+@pytest.mark.django_db
+def test_a_target_held_by_another_run_keeps_the_placeholder_and_the_step_says_so(
+    isolated_registry,
+):  # W3, W5
+    """The step's outcome is written before its rows, as the answer reads; a row the
+    database then skips (its target held by another run) corrects the text."""
+    _making(isolated_registry, things=["x", "y"])
+    other = new_run()
+    assert Res.reserve(other, owner="t", kind="thing", ref="x").ok
+    run = new_run()
+    step = new_step(run, "t.make")
+    result = execute_step(step)
+    assert (result.outcome, result.recorded) == ("done", 1)
+    assert result.rejected == [f"thing 'x' is already held by run {other.pk}"]
+    assert "placeholder stays" in result.error
+    step.refresh_from_db()
+    assert (step.status, step.last_error) == ("done", result.error)
+    assert Res.get(run=run, kind=STEP_KIND).status == "pending"
+    assert Res.get(run=run, kind="thing").ref == "y"
+    assert EventRunLog.objects.get(run=run, kind="step.done").detail["error"] == result.error
+
+
 def test_registry_api_is_exported_from_the_package_root():  # S5
     import events_ledger
 
