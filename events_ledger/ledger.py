@@ -675,6 +675,8 @@ def _write_outcome(step: EventRunStep, token: str, result: StepResult) -> bool:
         written = EventRunStep.objects.settle(
             step, token, status, f"{result.outcome} (the error text could not be stored)"
         )
+    if written and status == "failed":
+        signals.step_failed_for_good(step, error)  # #15: sent at the outcome's commit
     return written
 
 
@@ -685,8 +687,6 @@ def _logged(
         logger.warning(
             "step %s: a newer claim took it over; outcome %s not written", step.pk, result.outcome
         )
-    elif status == "failed":
-        signals.step_failed_for_good(step, error)  # #15: sent at the outcome's commit
     if result.outcome == "done" and not result.rejected and not late:
         # A clean success is on the step row itself; the run's log keeps what an
         # operator must read (retries, failures, refusals, dropped resources).
