@@ -363,7 +363,7 @@ def _work_runs(
     transaction, the module calls in parallel (``CLEANUP_CONCURRENCY`` at a time, each
     under its own deadline, none inside a transaction), then one transaction that
     writes every verdict (a statement per kind of verdict, fenced by the claim's
-    token), settles every summary and inserts every log entry."""
+    token) and one that settles every summary and inserts every log entry."""
     summaries = {run.pk: CleanupSummary(run_id=run.pk, reset=reset) for run in runs}
     log = _LogBuffer()
     claimable: list[Group] = []
@@ -386,9 +386,13 @@ def _work_runs(
         )
         for lane, verdict in zip(called, verdicts, strict=True):
             lane.verdict = verdict
-        settled = _reconnecting(
-            lambda: _write_verdicts(summaries, lanes, token, log.entries, human, actor)
-        )
+        # The verdicts commit on their own, before the summaries: under contention for
+        # the runs' rows (sweepers settling the same runs; on Galera a certification
+        # conflict at COMMIT) only the summaries' transaction is run again, and the
+        # module's answers, once written, are never lost to it and called again.
+        worked, entries = _reconnecting(lambda: _write_verdicts(summaries, lanes, token))
+        log.entries += entries
+        settled = _reconnecting(lambda: _settle_and_log(worked, log.entries, human, actor))
         log.entries = []
     except BaseException:
         if token is not None:
@@ -534,22 +538,16 @@ def _split(lane: _Lane) -> tuple[list[int], list[int], str | None]:
 
 
 def _write_verdicts(
-    base: dict[int, CleanupSummary],
-    lanes: list[_Lane],
-    token: str | None,
-    entries: list[EventRunLog],
-    human: bool,
-    actor: str | None,
-) -> dict[int, CleanupSummary]:
-    """The pass's second durable moment, one transaction: the runs locked (so each
-    summary derived here sees every verdict committed before it), every verdict written
-    under the claim's token, every summary settled, every log entry inserted. Answers
-    the summaries; builds them afresh, since a deadlock runs it again from the start."""
+    base: dict[int, CleanupSummary], lanes: list[_Lane], token: str | None
+) -> tuple[dict[int, CleanupSummary], list[EventRunLog]]:
+    """The pass's second durable moment, one transaction: every verdict written under
+    the claim's token, a statement per kind of verdict. Answers the summaries so far and
+    the log entries that say what was written; builds them afresh, since a deadlock runs
+    it again from the start."""
     summaries = {
         pk: replace(s, errors=list(s.errors), groups=list(s.groups), waiting=list(s.waiting))
         for pk, s in base.items()
     }
-    EventRun.objects.lock(summaries)
     writes = _Writes()
     splits: dict[int, tuple[list[int], list[int], str | None]] = {}
     for i, lane in enumerate(lanes):
@@ -568,7 +566,7 @@ def _write_verdicts(
         else:
             writes.fail(ids, verdict.error, spend_all=verdict.outcome == "terminal")
     written = writes.run(token) if token is not None else None
-    log = list(entries)
+    log: list[EventRunLog] = []
 
     def add(run_id: int, kind: str, detail: dict[str, Any]) -> None:
         log.append(EventRunLog(run_id=run_id, kind=kind, detail=storable_json(detail)))
@@ -612,6 +610,25 @@ def _write_verdicts(
                     "error": verdict.error,
                 }
             )
+    return summaries, log
+
+
+def _settle_and_log(
+    summaries: dict[int, CleanupSummary],
+    entries: list[EventRunLog],
+    human: bool,
+    actor: str | None,
+) -> dict[int, CleanupSummary]:
+    """One transaction: the runs locked (so each summary derived here sees every
+    verdict committed before it, not the rows as they were when a statement that waited
+    for the lock began), every summary settled from its rows, every log entry of the
+    pass inserted."""
+    log = list(entries)
+
+    def add(run_id: int, kind: str, detail: dict[str, Any]) -> None:
+        log.append(EventRunLog(run_id=run_id, kind=kind, detail=storable_json(detail)))
+
+    EventRun.objects.lock(summaries)
     settled = EventRun.objects.settle_cleanups(
         summaries, ledger_settings.MAX_REVERT_ATTEMPTS, ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
     )

@@ -79,8 +79,8 @@ def test_sweepers_together_revert_every_resource_exactly_once(world, vendor, fig
 
 POINTS = ("after_claim", "inside_revert", "after_revert", "during_verdict")
 #: Calls of revert per step a trial makes: the dead sweeper's, and the one that finishes.
-#: ``during_verdict`` dies inside the transaction that writes the verdicts, settles the
-#: summaries and logs them: none of it lands, so the revert is called again.
+#: ``during_verdict`` dies inside the transaction that writes the verdicts (before the
+#: summaries and the log): none of it lands, so the revert is called again.
 CALLS = {"after_claim": 1, "inside_revert": 2, "after_revert": 2, "during_verdict": 2}
 
 
