@@ -689,10 +689,6 @@ class _UnfinishedClaims:
         with self._lock:
             self._tokens.add(token)
 
-    def discard(self, token: str) -> None:
-        with self._lock:
-            self._tokens.discard(token)
-
     def hand_back(self) -> int:
         with self._lock:
             tokens = sorted(self._tokens)

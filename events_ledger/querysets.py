@@ -184,22 +184,7 @@ class EventRunQuerySet(models.QuerySet):
         Two sweepers finishing one run cannot leave a stale summary: whichever writes
         last writes what the rows say at that moment, not what it saw earlier.
         """
-        # Outside a transaction a deadlock (two sweepers settling runs whose rows
-        # interleave) is retried here; it must never end a sweeper (C5).
-        retrying_deadlocks(
-            lambda: self.filter(pk=_pk(run)).update(
-                cleanup_status=self._derived_cleanup_status(max_attempts, max_claims),
-                updated_at=UtcNow(),
-            ),
-            using=self.db,
-        )
-        # Answers what was written and the unresolved count, read in one statement.
-        return (
-            self.filter(pk=_pk(run))
-            .with_unresolved_count()
-            .values_list("cleanup_status", "unresolved_count")
-            .get()
-        )
+        return self.settle_cleanups([run], max_attempts, max_claims)[_pk(run)]
 
     def repair_cleanup_summaries(self, max_attempts: int, max_claims: int) -> list[tuple[int, str]]:
         """Re-derive the summary of terminal runs whose summary disagrees with their rows;
