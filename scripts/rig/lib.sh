@@ -164,6 +164,18 @@ port_in_use() {  # true when something accepts TCP connections on 127.0.0.1:$1
     (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
 
+# A server's port must lie outside the kernel's range of ephemeral ports: there
+# any outgoing connection (a test's client, a Galera state transfer) may be given
+# it as its local port, and the server then fails to bind at random. CI lost a
+# run to this (node 2 on 33072: "Address already in use" though nothing listened).
+warn_if_ephemeral() {  # warn_if_ephemeral PORT NAME
+    local lo hi
+    read -r lo hi < /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || return 0
+    if [ "$1" -ge "$lo" ] && [ "$1" -le "$hi" ]; then
+        log "WARNING: $2 port $1 is inside the ephemeral range $lo-$hi; an outgoing connection may hold it and the server then fails to bind"
+    fi
+}
+
 show_tail() {  # show_tail FILE
     if [ -r "$1" ]; then
         printf '[rig] ---- last lines of %s ----\n' "$1" >&2
