@@ -31,7 +31,6 @@ from django.db.models import (
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Greatest
 
-from .conf import ledger_settings
 from .db import Prepared, UtcNow, chunked, is_unique_violation, retrying_deadlocks, storable
 from .states import HELD, LIVE, RUN_TERMINAL, STEP_KIND, UNRESOLVED
 
@@ -50,6 +49,13 @@ _UNSET: Any = object()
 
 def _pk(obj: Any) -> Any:
     return getattr(obj, "pk", obj)
+
+
+def _manager(model: Any, relation: str) -> Any:
+    """The default manager of the model at the other end of ``relation``. A queryset
+    reaches its siblings through the schema, never by importing ``models`` (which
+    imports this module for its managers)."""
+    return model._meta.get_field(relation).related_model._default_manager
 
 
 def _pks(objs: Any) -> list[Any]:
@@ -127,9 +133,7 @@ class EventRunQuerySet(models.QuerySet):
         return _SET_CLEANUP_STATUS.update(self, only, run=_pk(run), status=status) == 1
 
     def _derived_cleanup_status(self, max_attempts: int, max_claims: int) -> Case:
-        from .models import EventRunResource
-
-        rows = EventRunResource.objects.filter(run=OuterRef("pk"))
+        rows = _manager(self.model, "resources").filter(run=OuterRef("pk"))
         return Case(
             When(~Exists(rows.unresolved()), then=Value("complete")),
             When(Exists(rows.retryable(max_attempts, max_claims)), then=Value("pending")),
@@ -235,10 +239,9 @@ class EventRunQuerySet(models.QuerySet):
 
     def with_unresolved_count(self) -> EventRunQuerySet:
         """Annotate each run with its unresolved row count, in the same query."""
-        from .models import EventRunResource
-
         counts = (
-            EventRunResource.objects.filter(run=OuterRef("pk"), status__in=UNRESOLVED)
+            _manager(self.model, "resources")
+            .filter(run=OuterRef("pk"), status__in=UNRESOLVED)
             .order_by()
             .values("run")
             .annotate(n=Count("pk"))
@@ -249,6 +252,38 @@ class EventRunQuerySet(models.QuerySet):
                 models.Subquery(counts, output_field=models.IntegerField()), 0
             )
         )
+
+    # ── R11 ──
+
+    def needing_cleanup(
+        self,
+        limit: int,
+        max_attempts: int,
+        max_claims: int | None = None,
+        step_ttl: timedelta | None = None,
+    ) -> list[EventRun]:
+        """Terminal runs with a row the sweep will still try, by id.
+
+        ``not_required`` is in the list because a run whose only row is a lease may
+        never have been marked dirty; the attempt bound is there so a run whose rows
+        are spent is not picked up on every pass for ever.
+        """
+        owing = _manager(self.model, "resources").retryable(max_attempts, max_claims)
+        runs = self.terminal().filter(
+            cleanup_status__in=("pending", "not_required"), pk__in=_runs_of(owing)
+        )
+        if step_ttl is None:
+            return list(runs.order_by("pk")[:limit])
+        # Runs with something to give back now come first; a run whose only retryable
+        # rows wait for a step in flight fills what is left of the batch (it is worked
+        # to report what it waits for). Taking it first on every pass would starve the
+        # runs behind it once a batch's worth of steps hang.
+        steps = _manager(self.model, "steps")
+        ready = owing.exclude(Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id"))))
+        # An IN of the ready rows' runs, not a correlated EXISTS per run: MariaDB planned
+        # that as a read of every step.
+        first = ExpressionWrapper(Q(pk__in=_runs_of(ready)), output_field=BooleanField())
+        return list(runs.alias(ready=first).order_by(F("ready").desc(), "pk")[:limit])
 
 
 # ── steps ─────────────────────────────────────────────────────────────────────
@@ -334,7 +369,7 @@ class EventRunStepQuerySet(models.QuerySet):
     def claim(
         self,
         step: Any,
-        ttl: timedelta | None = None,
+        ttl: timedelta,
         by: str | None = None,
         *,
         attempts: int | None = None,
@@ -352,7 +387,6 @@ class EventRunStepQuerySet(models.QuerySet):
         since the caller read it (another claim came and went), which the caller tells
         apart by reading the count again.
         """
-        ttl = ttl or ledger_settings.STEP_CLAIM_TTL
         token = new_token()
         if attempts is None:
             won = _CLAIM.update(self, ttl, step=_pk(step), token=token, by=by)
@@ -533,7 +567,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         Hand-written rather than ``bulk_create()``: compiling fifty model instances costs
         more than the round trip itself. MySQL's ``INSERT IGNORE`` would also turn other
         errors (a too-long value) into warnings, which is safe only because
-        ``ledger.normalise`` has refused every such value before this is called.
+        ``envelopes.normalise`` has refused every such value before this is called.
         """
         return self._insert_ignoring_held(run, step, owner, rows, "confirmed")[0]
 
@@ -743,12 +777,12 @@ class EventRunResourceQuerySet(models.QuerySet):
 
     # ── R5 claims ──
 
-    def claim_revert(self, pk: Any, ttl: timedelta | None = None) -> str | None:
+    def claim_revert(self, pk: Any, ttl: timedelta) -> str | None:
         """Claim one row for a revert; answers the claim's token, or None if lost.
 
         Compare-and-set: ``pending|confirmed|orphaned|drifted → reverting``, or a
-        ``reverting`` row whose claim is older than ``REVERT_CLAIM_TTL`` (its process
-        died). Exactly one of many concurrent claimers wins. The claim re-stamps
+        ``reverting`` row whose claim is older than ``ttl`` (``REVERT_CLAIM_TTL``: its
+        process died). Exactly one of many concurrent claimers wins. The claim re-stamps
         ``updated_at`` and writes a new token: MySQL counts *matched* rows, and a
         stale row that did not change would match for a second claimer too.
         Reclaiming does not count a revert attempt (a crash is not a failure).
@@ -759,7 +793,7 @@ class EventRunResourceQuerySet(models.QuerySet):
     def claim_group(
         self,
         pks: Iterable[Any],
-        ttl: timedelta | None = None,
+        ttl: timedelta,
         *,
         released: bool = True,
         step_ttl: timedelta | None = None,
@@ -789,7 +823,6 @@ class EventRunResourceQuerySet(models.QuerySet):
             for o in (pks if isinstance(pks, (list, tuple)) else [])
             if isinstance(o, self.model)
         }
-        ttl = ttl or ledger_settings.REVERT_CLAIM_TTL
         values = {
             "status": "reverting",
             "claim_token": token,
@@ -921,16 +954,16 @@ class EventRunResourceQuerySet(models.QuerySet):
         token: str | None = None,
         *,
         spent_claims: bool = False,
-        spend_all: bool = False,
+        spend_to: int | None = None,
     ) -> int:
         """The revert did not work: back to ``restore_to`` with the error (cut to 500).
 
         ``revert_attempts`` is incremented here and nowhere else, and no sweep resets
         it: a reclaim that reset it made the attempt bound unreachable. With
         ``spent_claims`` the claim counter is kept, marking a poison row as spent; with
-        ``spend_all`` (an answer that says retrying is pointless) the attempt counter
-        jumps to the bound, so the run is reported ``incomplete`` now, not after
-        ``MAX_REVERT_ATTEMPTS`` identical failures.
+        ``spend_to`` (an answer that says retrying is pointless; the caller passes the
+        attempt bound) the attempt counter jumps to it, so the run is reported
+        ``incomplete`` now, not after that many identical failures.
         """
         if restore_to not in ("confirmed", "drifted", "orphaned"):
             raise ValueError(
@@ -939,9 +972,9 @@ class EventRunResourceQuerySet(models.QuerySet):
         values: dict[str, Any] = {
             "status": restore_to,
             "revert_attempts": (
-                Greatest(F("revert_attempts") + 1, Value(ledger_settings.MAX_REVERT_ATTEMPTS))
-                if spend_all
-                else F("revert_attempts") + 1
+                F("revert_attempts") + 1
+                if spend_to is None
+                else Greatest(F("revert_attempts") + 1, Value(spend_to))
             ),
             "last_error": cut_error(error),
             "updated_at": UtcNow(),
@@ -980,13 +1013,12 @@ class EventRunResourceQuerySet(models.QuerySet):
         )
         return sorted({owner for _, owner in pairs})
 
-    def mark_orphaned(self, pks: Any, detail: object = None, ttl: timedelta | None = None) -> int:
+    def mark_orphaned(self, pks: Any, detail: object = None, *, ttl: timedelta) -> int:
         """Nobody gave it back, it is just gone: ``pending|confirmed → orphaned``, or a
         ``reverting`` row whose claim is stale (its sweeper died). Only reconcile says
         this; a revert that finds nothing is a success. A row under a live revert claim
         is never orphaned: its sweeper's verdict would then be fenced out and a row that
         was given back would read as lost."""
-        ttl = ttl or ledger_settings.REVERT_CLAIM_TTL
         return sum(
             self.filter(pk__in=part)
             .filter(Q(status__in=LIVE) | self._stale_claim(ttl))
@@ -997,40 +1029,6 @@ class EventRunResourceQuerySet(models.QuerySet):
             )
             for part in chunked(_pks(pks))
         )
-
-    # ── R11 ──
-
-    def runs_needing_cleanup(
-        self,
-        limit: int,
-        max_attempts: int,
-        max_claims: int | None = None,
-        step_ttl: timedelta | None = None,
-    ) -> list[EventRun]:
-        """Terminal runs with a row the sweep will still try, by id.
-
-        ``not_required`` is in the list because a run whose only row is a lease may
-        never have been marked dirty; the attempt bound is there so a run whose rows
-        are spent is not picked up on every pass for ever.
-        """
-        from .models import EventRun
-
-        owing = self.retryable(max_attempts, max_claims)
-        runs = EventRun.objects.terminal().filter(
-            cleanup_status__in=("pending", "not_required"), pk__in=_runs_of(owing)
-        )
-        if step_ttl is None:
-            return list(runs.order_by("pk")[:limit])
-        # Runs with something to give back now come first; a run whose only retryable
-        # rows wait for a step in flight fills what is left of the batch (it is worked
-        # to report what it waits for). Taking it first on every pass would starve the
-        # runs behind it once a batch's worth of steps hang.
-        steps = self.model._meta.get_field("step").related_model._default_manager
-        ready = owing.exclude(Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id"))))
-        # An IN of the ready rows' runs, not a correlated EXISTS per run: MariaDB planned
-        # that as a read of every step.
-        first = ExpressionWrapper(Q(pk__in=_runs_of(ready)), output_field=BooleanField())
-        return list(runs.alias(ready=first).order_by(F("ready").desc(), "pk")[:limit])
 
 
 class EventRunLogManager(models.Manager["EventRunLog"]):

@@ -6,7 +6,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from events_ledger.models import EventRun, EventRunResource, EventRunStep
@@ -207,3 +207,17 @@ class LiveRowSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(PATIENCE_S)
+
+
+def step_ttl() -> timedelta:
+    """The step claim TTL the services pass to the querysets (which read no setting)."""
+    from events_ledger.conf import ledger_settings
+
+    return ledger_settings.STEP_CLAIM_TTL
+
+
+def revert_ttl() -> timedelta:
+    """The revert claim TTL the services pass to the querysets (which read no setting)."""
+    from events_ledger.conf import ledger_settings
+
+    return ledger_settings.REVERT_CLAIM_TTL

@@ -18,7 +18,7 @@ from events_ledger.models import EventRun, EventRunLog, EventRunResource
 from project.world.models import Creature
 from tests.conftest import age_rows
 from tests.factories import ResourceFactory, RunFactory, StepFactory
-from tests.helpers import new_run, spawn_step
+from tests.helpers import new_run, spawn_step, step_ttl
 
 Res = EventRunResource.objects
 world_db = pytest.mark.django_db(transaction=True)
@@ -223,7 +223,7 @@ def test_why_is_this_stuck_names_the_step_in_flight(admin_client):  # S3, the in
 
     run = RunFactory(status="cancelled", cleanup_status="pending")
     step = StepFactory(run=run, action_id="world.spawn")
-    EventRunStep.objects.claim(step, by="worker-7:4242")
+    EventRunStep.objects.claim(step, step_ttl(), by="worker-7:4242")
     row = ResourceFactory(
         run=run,
         step=step,
