@@ -29,6 +29,7 @@ from .logcontext import log_context
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from .registry import Action
 from .registry import default_registry as registry
+from .states import RELEASED_UNCLEAN, CleanupStatus, ResourceStatus
 
 logger = logging.getLogger("events_ledger")
 
@@ -331,7 +332,7 @@ def cleanup_run(
             # reset cannot lose who reset how many rows.
             with transaction.atomic():
                 reset = Res.reset_attempts(run)
-                EventRun.objects.set_cleanup_status(run, "pending")
+                EventRun.objects.set_cleanup_status(run, CleanupStatus.PENDING)
                 EventRunLog.objects.write(run, "cleanup.retry", {"resources": reset, "by": actor})
         return _work_runs([run], human=reset_attempts, actor=actor, reset=reset)[0]
 
@@ -439,7 +440,7 @@ def _claim(
         lambda: Res.claim_group(
             rows,
             ledger_settings.REVERT_CLAIM_TTL,
-            released=any(r.status in ("orphaned", "drifted") for r in rows),
+            released=any(r.status in RELEASED_UNCLEAN for r in rows),
             step_ttl=ledger_settings.STEP_CLAIM_TTL,
         )
     )
@@ -494,7 +495,7 @@ class _Writes:
         self,
         pks: list[int],
         error: str | None,
-        restore_to: str = "confirmed",
+        restore_to: str = ResourceStatus.CONFIRMED,
         *,
         spend_all: bool = False,
         spent_claims: bool = False,
@@ -566,7 +567,7 @@ def _write_verdicts(
             writes.reverted += good
             writes.fail(bad, bad_error)
         elif verdict.outcome == "drifted":
-            writes.fail(ids, verdict.error, "drifted")
+            writes.fail(ids, verdict.error, ResourceStatus.DRIFTED)
         else:
             writes.fail(ids, verdict.error, spend_all=verdict.outcome == "terminal")
     written = writes.run(token) if token is not None else None
@@ -726,8 +727,8 @@ class SweepReport:
     @property
     def incomplete(self) -> list[int]:
         """Runs this pass left ``incomplete``, by any path (a cleanup or the repair)."""
-        ids = {s.run_id for s in self.runs if s.cleanup_status == "incomplete"}
-        ids |= {pk for pk, status in self.repaired_runs if status == "incomplete"}
+        ids = {s.run_id for s in self.runs if s.cleanup_status == CleanupStatus.INCOMPLETE}
+        ids |= {pk for pk, status in self.repaired_runs if status == CleanupStatus.INCOMPLETE}
         return sorted(ids)
 
 
@@ -928,9 +929,9 @@ def _reconcile(owner: str, force: bool, max_fraction: float | None) -> Reconcile
         # rows the UPDATE moved are logged as orphaned.
         orphaned = (
             set(
-                Res.filter(pk__in=[r.pk for r, _ in missing], status="orphaned").values_list(
-                    "pk", flat=True
-                )
+                Res.filter(
+                    pk__in=[r.pk for r, _ in missing], status=ResourceStatus.ORPHANED
+                ).values_list("pk", flat=True)
             )
             if summary.orphaned < len(missing)
             else {r.pk for r, _ in missing}

@@ -29,6 +29,7 @@ from .logcontext import bind, log_context
 from .models import EventRun, EventRunLog, EventRunResource, EventRunStep
 from .registry import LEASE_ACTION_ID, Action
 from .registry import default_registry as registry
+from .states import LIVE, CleanupStatus, ResourceStatus, StepStatus
 
 logger = logging.getLogger("events_ledger")
 
@@ -48,7 +49,7 @@ def mark_run_dirty(run: Any) -> bool:
     ``incomplete`` stays: it waits for a human, and the sweep's repair re-derives it
     from the rows when new ones arrive."""
     return EventRun.objects.set_cleanup_status(
-        run, "pending", only_from=["not_required", "complete"]
+        run, CleanupStatus.PENDING, only_from=[CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE]
     )
 
 
@@ -319,7 +320,7 @@ def _begin(step_id: int) -> _Begun | StepResult:
     if (
         action is not None
         and action.reversible in LEDGERED
-        and run.cleanup_status in ("not_required", "complete")
+        and run.cleanup_status in (CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE)
         and run.status not in EventRun.TERMINAL
     ):
         # The run's row first, before the claim: on MariaDB, updating the step's status
@@ -330,7 +331,7 @@ def _begin(step_id: int) -> _Begun | StepResult:
     token = _claim(step)
     if token is None:
         return StepResult("busy", error="another call of this step holds its claim")
-    step.status, step.claim_token = "running", token  # as the claim just wrote them
+    step.status, step.claim_token = StepStatus.RUNNING, token  # as the claim just wrote them
     max_attempts = ledger_settings.MAX_STEP_ATTEMPTS
     if step.attempts > max_attempts:
         # Claimed again after attempts whose outcome never got written (a worker died
@@ -505,9 +506,13 @@ def _settle(
 def _verdict(step: EventRunStep, result: StepResult) -> tuple[str, str, str | None]:
     """The step's status, the outcome and the error text a result is written as."""
     outcome = result.outcome
-    status = {"done": "done", "refused": "refused", "failed": "failed"}.get(outcome, "pending")
+    status = {
+        "done": StepStatus.DONE,
+        "refused": StepStatus.REFUSED,
+        "failed": StepStatus.FAILED,
+    }.get(outcome, StepStatus.PENDING)
     if outcome == "retry" and step.attempts >= ledger_settings.MAX_STEP_ATTEMPTS:
-        status, outcome = "failed", "failed"
+        status, outcome = StepStatus.FAILED, "failed"
     error = result.error
     if error is None and result.rejected:
         error = "; ".join(bounded(result.rejected, REASONS_SHOWN))
@@ -528,7 +533,7 @@ def _write_outcome(step: EventRunStep, token: str, result: StepResult) -> bool:
         written = EventRunStep.objects.settle(
             step, token, status, f"{result.outcome} (the error text could not be stored)"
         )
-    if written and status == "failed":
+    if written and status == StepStatus.FAILED:
         signals.step_failed_for_good(step, error)  # #15: sent at the outcome's commit
     return written
 
@@ -604,7 +609,7 @@ def _lease(run: EventRun, step: EventRunStep, token: str) -> StepResult:
 
     held = (
         EventRunResource.objects.filter(
-            run=run, step=step, kind="override", ref=ref, status__in=("pending", "confirmed")
+            run=run, step=step, kind="override", ref=ref, status__in=LIVE
         )
         .values_list("pk", "status", "payload")
         .first()
@@ -629,12 +634,12 @@ def _lease(run: EventRun, step: EventRunStep, token: str) -> StepResult:
                 holder_run_id=holder.run_id if holder else None,
             )
         assert answer.id is not None
-        row_id, row_status, payload = answer.id, "pending", {"applied": value}
+        row_id, row_status, payload = answer.id, ResourceStatus.PENDING, {"applied": value}
         mark_run_dirty(run)
     else:
         row_id, row_status, payload = held
         payload = payload if isinstance(payload, dict) else {}
-    if row_status == "confirmed":
+    if row_status == ResourceStatus.CONFIRMED:
         return StepResult("done", recorded=0)
     if "baseline" not in payload:
         read = call_with_deadline(lambda: read_value(target=target), budget, f"{lease.id}.read")
@@ -647,7 +652,7 @@ def _lease(run: EventRun, step: EventRunStep, token: str) -> StepResult:
                 "failed", error=f"{lease.id}.read answered a value that is not JSON ({exc})"
             )
         if not EventRunResource.objects.set_payload(
-            row_id, {**payload, "baseline": read.value}, only_status="pending"
+            row_id, {**payload, "baseline": read.value}, only_status=ResourceStatus.PENDING
         ):
             return StepResult("retry", error=f"the reservation of {ref} was released meanwhile")
     # else: this step's earlier attempt read it; a fresh read now could see the value
