@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from importlib.util import find_spec
 from pathlib import Path
 
 import environ
@@ -129,4 +130,22 @@ LOGGING = {
             "level": env("LEDGER_LOG_LEVEL", default="WARNING"),
         }
     },
+}
+
+# #14: the task queues, each wired only when its package is installed (the app itself
+# needs neither). Django Tasks: Django 6's own, or the django-tasks backport on 5.2.
+# The immediate backend by default; LEDGER_TASKS_BACKEND names another (the tests'
+# workers use django_tasks_db.DatabaseBackend: workers over the database, no broker).
+_TASKS_PACKAGE = "django.tasks" if find_spec("django.tasks") else "django_tasks"
+_HAS_TASKS = _TASKS_PACKAGE == "django.tasks" or bool(find_spec("django_tasks"))
+if _TASKS_PACKAGE == "django_tasks" and _HAS_TASKS:
+    INSTALLED_APPS.append("django_tasks")
+if _HAS_TASKS and find_spec("django_tasks_db"):
+    INSTALLED_APPS.append("django_tasks_db")
+TASKS = {
+    "default": {
+        "BACKEND": env(
+            "LEDGER_TASKS_BACKEND", default=f"{_TASKS_PACKAGE}.backends.immediate.ImmediateBackend"
+        )
+    }
 }
