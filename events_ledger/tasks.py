@@ -7,48 +7,72 @@ without a chain of messages that a cancelled run would leave queued. Many runs a
 tasks, spread over the workers. ``step_task`` is there for hosts that order steps
 themselves. Each task wraps one function of ``events_ledger.jobs``; ``events_ledger``
 itself never imports this module, so the app needs neither package.
+
+Celery's usual set-up, ``app.autodiscover_tasks()``, imports ``<app>.tasks`` of every
+installed app: this module must then import without any Django Tasks package (a host on
+Celery alone), and it is also where the Celery tasks are found (``events_ledger.celery``),
+so that set-up registers them with no more configuration.
 """
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from typing import Any
-
-try:  # Django 6
-    from django.tasks import task
-except ImportError:  # Django 5.2 with the backport
-    try:
-        from django_tasks import task
-    except ImportError as exc:
-        raise ImportError(
-            "events_ledger.tasks needs Django 6's django.tasks or the django-tasks backport: "
-            "pip install 'django-events-ledger[tasks]'"
-        ) from exc
 
 from . import jobs
 
-
-@task()
-def step_task(step_id: int) -> dict[str, Any]:
-    """Execute one step (W5)."""
-    return jobs.execute_one_step(step_id)
-
-
-@task()
-def run_task(run_id: int, on_refused: str = "fail") -> dict[str, Any]:
-    """Execute a run's steps in order and end the run (see ``runner.run_steps``). An
-    answer with ``finished: false`` (``busy``: a step's claim is held, by a call that
-    outlived its deadline or by a worker that died, until ``STEP_CLAIM_TTL``) asks the
-    host to enqueue the run again later."""
-    return jobs.run_run(run_id, on_refused)
+MISSING = (
+    "events_ledger.tasks needs Django 6's django.tasks or the django-tasks backport: "
+    "pip install 'django-events-ledger[tasks]'"
+)
+TASKS = ("step_task", "run_task", "sweep_task", "reconcile_task")
 
 
-@task()
-def sweep_task(limit: int | None = None) -> dict[str, Any]:
-    """One sweep pass (C5): enqueue it on a schedule, as cron runs ``cleanup_runs``."""
-    return jobs.sweep_once(limit)
+def _task_decorator() -> Any:
+    """``task`` of Django 6's framework, else of the backport, else None."""
+    try:
+        from django.tasks import task
+    except ImportError:  # Django 5.2
+        try:
+            from django_tasks import task
+        except ImportError:
+            return None
+    return task
 
 
-@task()
-def reconcile_task(owner: str | None = None, force: bool = False) -> dict[str, Any]:
-    """Reconcile one module, or every module with live rows (C6)."""
-    return jobs.reconcile_once(owner, force)
+task = _task_decorator()
+
+if find_spec("celery") is not None:
+    from . import celery as celery  # noqa: F401  (registers the Celery tasks; see above)
+
+if task is not None:
+
+    @task()
+    def step_task(step_id: int) -> dict[str, Any]:
+        """Execute one step (W5)."""
+        return jobs.execute_one_step(step_id)
+
+    @task()
+    def run_task(run_id: int, on_refused: str = "fail") -> dict[str, Any]:
+        """Execute a run's steps in order and end the run (see ``runner.run_steps``). An
+        answer with ``finished: false`` (``busy``: a step's claim is held, by a call that
+        outlived its deadline or by a worker that died, until ``STEP_CLAIM_TTL``) asks the
+        host to enqueue the run again later."""
+        return jobs.run_run(run_id, on_refused)
+
+    @task()
+    def sweep_task(limit: int | None = None) -> dict[str, Any]:
+        """One sweep pass (C5): enqueue it on a schedule, as cron runs ``cleanup_runs``."""
+        return jobs.sweep_once(limit)
+
+    @task()
+    def reconcile_task(owner: str | None = None, force: bool = False) -> dict[str, Any]:
+        """Reconcile one module, or every module with live rows (C6)."""
+        return jobs.reconcile_once(owner, force)
+
+else:
+
+    def __getattr__(name: str) -> Any:
+        if name in TASKS:
+            raise ImportError(MISSING)
+        raise AttributeError(f"module 'events_ledger.tasks' has no attribute {name!r}")

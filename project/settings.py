@@ -149,3 +149,22 @@ TASKS = {
         )
     }
 }
+
+# #14: Celery (project/celery.py), over Redis: the rig's (REDIS_URL) in the tests.
+CELERY_BROKER_URL = env("REDIS_URL", default="redis://127.0.0.1:6379/0")
+CELERY_RESULT_BACKEND = CELERY_BROKER_URL
+# With the ledger's tasks acknowledged late, a worker holds only the message it runs: a
+# prefetched run would wait behind a long step, and go back to the queue if it died.
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_SERIALIZER = CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+# The sweep as a periodic task (`celery -A project beat`), instead of cron. Passes that
+# overlap are safe; `expires` drops a pass still queued when the next is due.
+_SWEEP_EVERY_S = env.float("LEDGER_SWEEP_EVERY_S", default=60.0)
+CELERY_BEAT_SCHEDULE = {
+    "events-ledger-sweep": {
+        "task": "events_ledger.sweep",
+        "schedule": _SWEEP_EVERY_S,
+        "options": {"expires": _SWEEP_EVERY_S},
+    },
+}

@@ -60,7 +60,9 @@ def test_importing_the_app_needs_no_task_package():  # S5
         "import sys; sys.modules['django.tasks'] = None; sys.modules['django_tasks'] = None;"
         "sys.modules['celery'] = None; import django; django.setup();"
         "import events_ledger; events_ledger.run_steps; events_ledger.execute_step;"
-        "import events_ledger.jobs; print('ok')"
+        "import events_ledger.jobs, events_ledger.tasks\n"
+        "try: events_ledger.tasks.run_task\n"
+        "except ImportError as e: print('ok' if '[tasks]' in str(e) else e)"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True, text=True
