@@ -48,7 +48,7 @@ pytestmark = [
 ]
 LONG = os.environ.get("LEDGER_CHAOS") == "long"
 #: Short, so a step whose worker was killed is claimed again soon (the TTL is the wait).
-CLAIM_TTL_S = 3
+CLAIM_TTL_S = 6
 
 
 def size(short: int, long: int) -> int:
@@ -72,7 +72,8 @@ class Workers:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def _env(self, **extra: str) -> dict[str, str]:
-        env = child_env({"STEP_CLAIM_TTL": CLAIM_TTL_S, "REVERT_CLAIM_TTL": CLAIM_TTL_S})
+        # Above the demo spawn's 5 s budget, as events_ledger.E007 asks.
+        env = child_env({"STEP_CLAIM_TTL": CLAIM_TTL_S})
         env.update(extra)
         return env
 
@@ -235,18 +236,22 @@ def test_scenario_workers_cancels_a_sigkill_and_beat_sweeps(world, celery_app, w
     killed = {waiting.pid: timezone.now()}
     world.switch_off("spawn.wait")
 
-    # Running: cancel more runs while their steps run.
-    rest = [r for r in runs if r not in cancelled_queued]
-    cancelled_running = []
-    for run in rng.sample(rest, max(1, runs_n // 10)):
-        wait_until(
-            lambda run=run: EventRun.objects.filter(pk=run.pk).exclude(status="pending").exists(),
-            f"run {run.pk} to start",
-        )
-        if EventRun.objects.transition(run, "cancelled", from_="running"):
-            cancelled_running.append(run)
-
+    # More while the queue drains, spread over it: each is cancelled once the runs ahead
+    # of it have gone by, so its steps are queued or running when it is.
     ids = [r.pk for r in runs]
+    rest = [r for r in runs if r not in cancelled_queued]
+    later = sorted(rng.sample(rest, max(1, runs_n // 10)), key=lambda r: r.pk)
+    cancelled_running = []
+    for run in later:
+        ahead = sum(1 for r in runs if r.pk < run.pk) // 2
+        wait_until(
+            lambda ahead=ahead: (
+                EventRun.objects.filter(pk__in=ids).exclude(status="pending").count() >= ahead
+            ),
+            f"the runs ahead of run {run.pk} to start",
+        )
+        if EventRun.objects.transition(run, "cancelled", from_=("pending", "running")):
+            cancelled_running.append(run)
 
     def drained_and_given_back() -> bool:
         return (
@@ -276,6 +281,9 @@ def test_scenario_workers_cancels_a_sigkill_and_beat_sweeps(world, celery_app, w
     assert not wrong, wrong[:5]
     assert rates_after == rates_before
     assert not Creature.objects.exists()
-    # The killed perform's step was claimed again after the TTL and finished by its key.
-    killed_step = EventRunStep.objects.get(idempotency_key=waiting.idempotency_key)
-    assert killed_step.attempts >= 2, killed_step.attempts
+    # The killed perform's step was claimed again after the TTL and finished by its key,
+    # unless its run was cancelled meanwhile: then the sweep gave it back by its key.
+    killed_step = EventRunStep.objects.select_related("run").get(
+        idempotency_key=waiting.idempotency_key
+    )
+    assert killed_step.attempts >= 2 or killed_step.run.status == "cancelled", killed_step
