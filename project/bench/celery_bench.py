@@ -43,6 +43,10 @@ def _start_workers(n: int, concurrency: int, env: dict[str, str]) -> list[subpro
             cwd=ROOT,
             env=env,
             start_new_session=True,
+            # The banners and the root warning would bury the figure; a failing worker
+            # shows as the bench's timeout.
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         for i in range(n)
     ]
@@ -102,9 +106,10 @@ def main() -> None:
     processes = args.workers * args.concurrency
     bare_rate, ledgered_rate = args.steps / bare_s, args.steps / ledgered_s
     overhead_ms = processes * (ledgered_s - bare_s) / args.steps * 1000
+    load = os.getloadavg()[0]
     print(
         f"{connection.vendor}, {args.workers} workers x {args.concurrency} (prefork), "
-        f"{args.steps} tasks each:\n"
+        f"{args.steps} tasks each, {os.cpu_count()} cores, load average {load:.1f}:\n"
         f"  bare Celery task:      {bare_rate:8.1f} tasks/s\n"
         f"  ledgered step:         {ledgered_rate:8.1f} steps/s\n"
         f"  the ledger per step:   {overhead_ms:8.1f} ms of a worker process's time"
