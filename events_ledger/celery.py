@@ -12,26 +12,11 @@ service can name them without importing this module.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 from celery import shared_task
 
 from . import jobs
-from .conf import ledger_settings
-
-#: Retries of a run whose step another call holds, before the run is left to the host
-#: (it stays ``running``; the health check reports it once its rows grow old).
-BUSY_RETRIES = 100
-
-
-def busy_retry_delay() -> float:
-    """Seconds before a ``busy`` run is tried again: a quarter of ``STEP_CLAIM_TTL``
-    (between 1 s and a minute). A claim held by a dead worker goes stale after the TTL,
-    so a few tries per TTL find it soon after, and none hammer it before."""
-    ttl = ledger_settings.STEP_CLAIM_TTL
-    return min(max(ttl / 4, timedelta(seconds=1)), timedelta(minutes=1)).total_seconds()
-
 
 # acks_late + reject_on_worker_lost: a worker killed while it runs a step gives the
 # message back, and another worker takes the run up. That is safe only because every
@@ -47,13 +32,13 @@ def step_task(step_id: int) -> dict[str, Any]:
     return jobs.execute_one_step(step_id)
 
 
-@shared_task(bind=True, name="events_ledger.run", max_retries=BUSY_RETRIES, **_REDELIVERED)
+@shared_task(bind=True, name="events_ledger.run", max_retries=jobs.BUSY_RETRIES, **_REDELIVERED)
 def run_task(self: Any, run_id: int, on_refused: str = "fail") -> dict[str, Any]:
     """Execute a run's steps in order and end the run (``runner.run_steps``). A run whose
     step another call holds (``busy``) is tried again later, with the same message."""
     answer = jobs.run_run(run_id, on_refused)
     if answer["outcome"] == "busy":
-        raise self.retry(countdown=busy_retry_delay())
+        raise self.retry(countdown=jobs.busy_retry_delay())
     return answer
 
 

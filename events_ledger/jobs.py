@@ -8,9 +8,24 @@ ids, strings and JSON mappings: a broker carries no model instance.
 from __future__ import annotations
 
 from dataclasses import asdict
+from datetime import timedelta
 from typing import Any
 
 from django.db import close_old_connections
+
+#: Times a run whose step another call holds is sent again, before it is left to the host
+#: (it stays ``running``; the health check reports it once its rows grow old).
+BUSY_RETRIES = 100
+
+
+def busy_retry_delay() -> float:
+    """Seconds before a ``busy`` run is tried again: a quarter of ``STEP_CLAIM_TTL``
+    (between 1 s and a minute). A claim held by a dead worker goes stale after the TTL,
+    so a few tries per TTL find it soon after, and none hammer it before."""
+    from .conf import ledger_settings
+
+    ttl = ledger_settings.STEP_CLAIM_TTL
+    return min(max(ttl / 4, timedelta(seconds=1)), timedelta(minutes=1)).total_seconds()
 
 
 def _fresh_connection() -> None:

@@ -16,8 +16,11 @@ so that set-up registers them with no more configuration.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from importlib.util import find_spec
 from typing import Any
+
+from django.utils import timezone
 
 from . import jobs
 
@@ -53,12 +56,25 @@ if task is not None:
         return jobs.execute_one_step(step_id)
 
     @task()
-    def run_task(run_id: int, on_refused: str = "fail") -> dict[str, Any]:
-        """Execute a run's steps in order and end the run (see ``runner.run_steps``). An
-        answer with ``finished: false`` (``busy``: a step's claim is held, by a call that
-        outlived its deadline or by a worker that died, until ``STEP_CLAIM_TTL``) asks the
-        host to enqueue the run again later."""
-        return jobs.run_run(run_id, on_refused)
+    def run_task(run_id: int, on_refused: str = "fail", busy_retries: int = 0) -> dict[str, Any]:
+        """Execute a run's steps in order and end the run (see ``runner.run_steps``).
+
+        A run whose step another call holds (``busy``: a call that outlived its budget,
+        or a worker that died, until ``STEP_CLAIM_TTL``) is enqueued again to run a
+        quarter of the TTL later, at most ``BUSY_RETRIES`` times, on a backend that can
+        defer (django-tasks-db can); elsewhere its answer, ``finished: false``, asks the
+        host to."""
+        answer = jobs.run_run(run_id, on_refused)
+        if answer["outcome"] == "busy" and busy_retries < jobs.BUSY_RETRIES:
+            answer["enqueued_again"] = _again(run_id, on_refused, busy_retries + 1)
+        return answer
+
+    def _again(run_id: int, on_refused: str, busy_retries: int) -> bool:
+        if not run_task.get_backend().supports_defer:
+            return False
+        later = timezone.now() + timedelta(seconds=jobs.busy_retry_delay())
+        run_task.using(run_after=later).enqueue(run_id, on_refused, busy_retries)
+        return True
 
     @task()
     def sweep_task(limit: int | None = None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from importlib.util import find_spec
 
 import pytest
 from django.test import override_settings
+from django.utils import timezone
 
 from events_ledger.models import EventRun, EventRunStep
 from project.world.models import Creature
@@ -99,3 +100,27 @@ def test_runs_and_a_sweep_on_django_tasks_db_workers(world):  # W5, C5
     sweep.refresh()
     assert sweep.return_value["runs"] == len(runs)
     assert Creature.objects.count() == 0
+
+
+@pytest.mark.skipif(not find_spec("django_tasks_db"), reason="needs django-tasks-db")
+@override_settings(TASKS=DATABASE)
+def test_a_busy_run_is_enqueued_again_later_on_a_backend_that_defers(world, settings):  # W5
+    from django_tasks_db.models import DBTaskResult
+
+    from events_ledger.jobs import BUSY_RETRIES, busy_retry_delay
+    from events_ledger.tasks import run_task
+
+    (run,) = _runs(1, 1)
+    step = EventRunStep.objects.get(run=run)
+    # Another worker holds the step: the run cannot go on until that claim ends.
+    assert EventRunStep.objects.claim(step, by="elsewhere:1") is not None
+    answer = run_task.call(run.pk)
+    assert answer["outcome"] == "busy" and answer["enqueued_again"] is True
+    again = DBTaskResult.objects.get()
+    assert again.args_kwargs["args"] == [run.pk, "fail", 1]
+    assert again.run_after is not None
+    assert (again.run_after - timezone.now()).total_seconds() <= busy_retry_delay()
+    # The bound: the last retry sends nothing more.
+    DBTaskResult.objects.all().delete()
+    assert "enqueued_again" not in run_task.call(run.pk, "fail", BUSY_RETRIES)
+    assert not DBTaskResult.objects.exists()

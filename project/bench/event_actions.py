@@ -11,6 +11,7 @@ register_action(
         owner="bench",
         reversible="ledger",
         perform=noop,
+        budget_ms=2_000,
         revert=noop_revert,
         description="does nothing (the Celery bench's step)",
     )
