@@ -6,8 +6,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .db import storable_json
 from .ledger import StepResult, execute_step
-from .models import EventRun, EventRunStep
+from .models import EventRun, EventRunLog, EventRunStep
 
 logger = logging.getLogger("events_ledger")
 
@@ -103,7 +104,7 @@ def run_steps(run: EventRun | int, *, on_refused: OnRefused = "fail") -> RunRepo
                     result.error,
                     result.holder_run_id,
                 )
-            ended = _end(run_id, "failed", done, result.error)
+            ended = _end(run_id, "failed", done, result.error, result.holder_run_id)
             return RunReport(
                 run_id, ended.outcome, ended.status, ended.steps, ended.error, result.holder_run_id
             )
@@ -130,11 +131,25 @@ def _next_step(run_id: int, *, skip_refused: bool) -> EventRunStep | None:
     )
 
 
-def _end(run_id: int, to: str, done: list[StepOutcome], error: str | None = None) -> RunReport:
+def _end(
+    run_id: int,
+    to: str,
+    done: list[StepOutcome],
+    error: str | None = None,
+    holder_run_id: int | None = None,
+) -> RunReport:
     # One conditional UPDATE: running → to. Lost when someone else ended it first
     # (cancelled while its last step ran): their status stands.
     if EventRun.objects.transition(run_id, to, from_="running"):
         if to == "failed":
             logger.warning("run %s failed: %s", run_id, error)
+        # The run's page says who ended it and why (C7's habit, for the write half's end).
+        detail = {"by": "run_steps", "error": error, "holder_run_id": holder_run_id}
+        try:
+            EventRunLog.objects.write(
+                run_id, f"run.{to}", storable_json({k: v for k, v in detail.items() if v})
+            )
+        except Exception:  # the run has ended; its log line must not make that an error
+            logger.exception("run %s: writing its log entry failed", run_id)
         return RunReport(run_id, to, to, tuple(done), error)
     return RunReport(run_id, "ended", _status(run_id), tuple(done), error)

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from events_ledger import Action, RunReport, run_steps
-from events_ledger.models import EventRun, EventRunStep
+from events_ledger.models import EventRun, EventRunLog, EventRunStep
 from project.world.models import Creature, RegionSetting
 from tests.helpers import PATIENCE_S, lease_step, new_run, new_step, spawn_step
 
@@ -108,6 +108,8 @@ def test_a_refused_lease_fails_the_run_by_default_naming_the_holder(world):  # W
     report = run_steps(asker)
     assert (report.outcome, report.status) == ("failed", "failed")
     assert report.holder_run_id == holder.pk
+    (entry,) = EventRunLog.objects.filter(run=asker, kind="run.failed")
+    assert entry.detail["holder_run_id"] == holder.pk and "held by" in entry.detail["error"]
     assert Creature.objects.count() == 0  # the step after the refusal never ran
     assert RegionSetting.objects.get(region="north").spawn_rate == 7  # W6: never written
 
