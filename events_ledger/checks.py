@@ -106,15 +106,13 @@ def _budget_errors() -> list[Any]:
     if default >= revert_ttl:
         too_long("DEFAULT_REVERT_BUDGET", default, revert_ttl, "REVERT_CLAIM_TTL")
     for action in registry.actions.values():
-        budget = (action.budget_ms or 0) / 1000
         if callable(action.perform):
-            too_long(f"action {action.id!r}", budget, step_ttl, "STEP_CLAIM_TTL")
+            too_long(f"action {action.id!r}", action.budget_s, step_ttl, "STEP_CLAIM_TTL")
         if callable(action.revert):
-            too_long(f"action {action.id!r}", budget or default, revert_ttl, "REVERT_CLAIM_TTL")
+            too_long(f"action {action.id!r}", action.budget_s, revert_ttl, "REVERT_CLAIM_TTL")
     for lease in registry.leases.values():
-        budget = (lease.budget_ms or 0) / 1000 or default
-        too_long(f"lease {lease.id!r}", budget, step_ttl, "STEP_CLAIM_TTL")
-        too_long(f"lease {lease.id!r}", budget, revert_ttl, "REVERT_CLAIM_TTL")
+        too_long(f"lease {lease.id!r}", lease.budget_s, step_ttl, "STEP_CLAIM_TTL")
+        too_long(f"lease {lease.id!r}", lease.budget_s, revert_ttl, "REVERT_CLAIM_TTL")
     return errors
 
 

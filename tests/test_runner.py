@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 
 import pytest
 
@@ -164,7 +165,7 @@ def test_a_step_held_by_another_call_answers_busy_and_the_run_stays_running(
     run = new_run()
     _steps(run, ("main", 1, "held"))
     step = EventRunStep.objects.get(run=run)
-    assert EventRunStep.objects.claim(step, by="elsewhere:1") is not None
+    assert EventRunStep.objects.claim(step, timedelta(minutes=15), by="elsewhere:1") is not None
     report = run_steps(run)
     assert (report.outcome, report.status, report.finished) == ("busy", "running", False)
     assert calls == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import timedelta
 from importlib.util import find_spec
 
 import pytest
@@ -113,7 +114,7 @@ def test_a_busy_run_is_enqueued_again_later_on_a_backend_that_defers(world, sett
     (run,) = _runs(1, 1)
     step = EventRunStep.objects.get(run=run)
     # Another worker holds the step: the run cannot go on until that claim ends.
-    assert EventRunStep.objects.claim(step, by="elsewhere:1") is not None
+    assert EventRunStep.objects.claim(step, timedelta(minutes=15), by="elsewhere:1") is not None
     answer = run_task.call(run.pk)
     assert answer["outcome"] == "busy" and answer["enqueued_again"] is True
     again = DBTaskResult.objects.get()

@@ -14,7 +14,7 @@ from django.db import DatabaseError, close_old_connections, connection
 from events_ledger.cleanup import CleanupSummary, RunNotTerminal, cleanup_run, plan_run, sweep
 from events_ledger.conf import ledger_settings
 from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
-from events_ledger.models import EventRun, EventRunResource
+from events_ledger.models import EventRun
 
 logger = logging.getLogger("events_ledger")
 
@@ -170,7 +170,7 @@ class Command(LedgerCommand):
         if run is not None:
             runs = [run]
         else:
-            runs = EventRunResource.objects.runs_needing_cleanup(
+            runs = EventRun.objects.needing_cleanup(
                 ledger_settings.CLEANUP_RUN_BATCH,
                 ledger_settings.MAX_REVERT_ATTEMPTS,
                 ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
