@@ -9,6 +9,7 @@ from typing import Literal
 from .db import storable_json
 from .ledger import StepResult, execute_step
 from .models import EventRun, EventRunLog, EventRunStep
+from .states import RUN_TERMINAL, RunStatus, StepStatus
 
 logger = logging.getLogger("events_ledger")
 
@@ -19,9 +20,6 @@ logger = logging.getLogger("events_ledger")
 #: and the driver answers, so the host can wait for the holder and run it again.
 OnRefused = Literal["fail", "skip", "stop"]
 ON_REFUSED: tuple[str, ...] = ("fail", "skip", "stop")
-
-#: Step statuses the driver never executes again: settled for good.
-_SETTLED = ("done", "failed", "refused")
 
 
 @dataclass(frozen=True)
@@ -52,7 +50,7 @@ class RunReport:
     @property
     def finished(self) -> bool:
         """Nothing more for a driver to do: the run is terminal."""
-        return self.status in EventRun.TERMINAL
+        return self.status in RUN_TERMINAL
 
 
 def run_steps(run: EventRun | int, *, on_refused: OnRefused = "fail") -> RunReport:
@@ -72,18 +70,18 @@ def run_steps(run: EventRun | int, *, on_refused: OnRefused = "fail") -> RunRepo
         raise ValueError(f"on_refused must be one of {ON_REFUSED}, not {on_refused!r}")
     run_id: int = run.pk if isinstance(run, EventRun) else int(run)
     # pending → running; already running (a driver run again) is fine, terminal is not.
-    EventRun.objects.transition(run_id, "running", from_="pending")
+    EventRun.objects.transition(run_id, RunStatus.RUNNING, from_=RunStatus.PENDING)
     done: list[StepOutcome] = []
     while True:
         status = _status(run_id)
-        if status != "running":
+        if status != RunStatus.RUNNING:
             return RunReport(run_id, "ended", status, tuple(done))
         step = _next_step(run_id, skip_refused=on_refused == "skip")
         if step is None:
-            return _end(run_id, "completed", done)
-        if step.status == "failed":  # settled by an earlier driver, or by execute_step
-            return _end(run_id, "failed", done, step.last_error)
-        if step.status == "refused" and on_refused != "skip":
+            return _end(run_id, RunStatus.COMPLETED, done)
+        if step.status == StepStatus.FAILED:  # settled by an earlier driver, or execute_step
+            return _end(run_id, RunStatus.FAILED, done, step.last_error)
+        if step.status == StepStatus.REFUSED and on_refused != "skip":
             result = StepResult("refused", error=step.last_error)
         else:
             result = execute_step(step.pk)
@@ -104,11 +102,11 @@ def run_steps(run: EventRun | int, *, on_refused: OnRefused = "fail") -> RunRepo
                     result.error,
                     result.holder_run_id,
                 )
-            ended = _end(run_id, "failed", done, result.error, result.holder_run_id)
+            ended = _end(run_id, RunStatus.FAILED, done, result.error, result.holder_run_id)
             return RunReport(
                 run_id, ended.outcome, ended.status, ended.steps, ended.error, result.holder_run_id
             )
-        return _end(run_id, "failed", done, result.error)
+        return _end(run_id, RunStatus.FAILED, done, result.error)
 
 
 def _status(run_id: int) -> str:
@@ -121,7 +119,7 @@ def _status(run_id: int) -> str:
 def _next_step(run_id: int, *, skip_refused: bool) -> EventRunStep | None:
     """The first step of the run, in order, that is not done (nor refused, when refused
     steps are skipped)."""
-    skipped = ("done", "refused") if skip_refused else ("done",)
+    skipped = [StepStatus.DONE, StepStatus.REFUSED] if skip_refused else [StepStatus.DONE]
     return (
         EventRunStep.objects.filter(run_id=run_id)
         .exclude(status__in=skipped)
@@ -133,23 +131,23 @@ def _next_step(run_id: int, *, skip_refused: bool) -> EventRunStep | None:
 
 def _end(
     run_id: int,
-    to: str,
+    to: RunStatus,
     done: list[StepOutcome],
     error: str | None = None,
     holder_run_id: int | None = None,
 ) -> RunReport:
     # One conditional UPDATE: running → to. Lost when someone else ended it first
     # (cancelled while its last step ran): their status stands.
-    if EventRun.objects.transition(run_id, to, from_="running"):
-        if to == "failed":
+    if EventRun.objects.transition(run_id, to, from_=RunStatus.RUNNING):
+        if to == RunStatus.FAILED:
             logger.warning("run %s failed: %s", run_id, error)
         # The run's page says who ended it and why (C7's habit, for the write half's end).
         detail = {"by": "run_steps", "error": error, "holder_run_id": holder_run_id}
         try:
             EventRunLog.objects.write(
-                run_id, f"run.{to}", storable_json({k: v for k, v in detail.items() if v})
+                run_id, f"run.{to.value}", storable_json({k: v for k, v in detail.items() if v})
             )
         except Exception:  # the run has ended; its log line must not make that an error
             logger.exception("run %s: writing its log entry failed", run_id)
-        return RunReport(run_id, to, to, tuple(done), error)
+        return RunReport(run_id, to.value, to.value, tuple(done), error)
     return RunReport(run_id, "ended", _status(run_id), tuple(done), error)
