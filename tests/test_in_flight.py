@@ -663,9 +663,13 @@ def test_an_interrupted_wait_still_records_the_answer(world, isolated_registry):
     step.refresh_from_db()
     assert step.status == "running" and step.claim_token in keeper.held()
     gate.open()
-    wait_until(lambda: settled(step), "the answer after the interruption")
+    # The late handler lets the claim go after the outcome's commit: wait for both.
+    token = step.claim_token
+    wait_until(
+        lambda: settled(step) and token not in keeper.held(), "the answer after the interruption"
+    )
     step.refresh_from_db()
-    assert step.status == "done" and step.claim_token not in keeper.held()
+    assert step.status == "done"
     assert Res.filter(run=run, kind="creature", status="confirmed").count() == 1
 
 
