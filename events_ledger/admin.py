@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
@@ -20,9 +19,10 @@ from django.utils import timezone
 from django.utils.formats import date_format
 from django.utils.html import format_html
 
-from .cleanup import Group, RunNotTerminal, cleanup_run, plan_run, reconcile_module
+from .cleanup import RunNotTerminal, cleanup_run, plan_run, reconcile_module
 from .conf import ledger_settings
 from .dashboard import run_timeline
+from .diagnosis import claim_stamp, diagnose
 from .models import EventRun, EventRunResource
 from .querysets import EventRunQuerySet, EventRunResourceQuerySet
 from .states import UNRESOLVED
@@ -60,63 +60,6 @@ def as_json(value: Any, indent: int | None = None) -> str:
     """Module payloads and log details as text; templates escape it (never mark_safe)."""
     return json.dumps(
         value, cls=DjangoJSONEncoder, sort_keys=True, indent=indent, ensure_ascii=False
-    )
-
-
-def claim_stamp(row: EventRunResource) -> datetime | None:
-    # A `reverting` row's updated_at is its claim's stamp (R5 re-stamps on every claim).
-    return row.updated_at if row.status == "reverting" else None
-
-
-def find_group(row: EventRunResource) -> tuple[Group | None, list[Group]]:
-    """The group of the human retry's plan (`cleanup_runs --dry-run`) holding this row."""
-    plan = plan_run(row.run_id, reset_attempts=True)
-    return next((g for g in plan if any(r.pk == row.pk for r in g.rows)), None), plan
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """The answer to "why is this stuck?" for one ledger row."""
-
-    row: EventRunResource
-    unresolved: bool
-    claim_stale: bool
-    call: str | None
-    problem: str | None
-    note: str
-
-
-def diagnose(row: EventRunResource) -> Diagnosis:
-    unresolved = row.status in UNRESOLVED
-    group, plan = find_group(row) if unresolved else (None, [])
-    since = claim_stamp(row)
-    stale = since is not None and timezone.now() - since > ledger_settings.REVERT_CLAIM_TTL
-    if not unresolved:
-        note = f"Nothing: this row is {row.status}, its target is released."
-    elif group is None:
-        note = (
-            f"Not in the next retry: a pass calls at most {len(plan)} groups "
-            "(CLEANUP_GROUPS_PER_RUN); it comes in a later one."
-        )
-    elif group.waiting_for:
-        w = group.waiting_for
-        note = (
-            f"Its step {w['step']} ({w['action']}) is in flight on "
-            f"{w['claimed_by'] or 'an unknown host'} since {w['claimed_at']} UTC: a call of it "
-            "may still change the world, so cleanup waits until the call ends (or until its "
-            "claim goes stale, STEP_CLAIM_TTL after that process stopped stamping it)."
-        )
-    elif not row.run.is_terminal:
-        note = f"The run is still {row.run.status}: cleanup starts when it ends. It would call:"
-    else:
-        note = "Retry cleanup of its run would reset its attempts and call:"
-    return Diagnosis(
-        row=row,
-        unresolved=unresolved,
-        claim_stale=stale,
-        call=group.call if group and not group.waiting_for else None,
-        problem=group.problem if group else None,
-        note=note,
     )
 
 

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the table", {"models"}),
     ("around the table", {"signals", "inflight", "status"}),
     ("services", {"ledger", "cleanup"}),
-    ("what services mean", {"testing", "dashboard", "metrics", "health"}),
+    ("what services mean", {"diagnosis", "testing", "dashboard", "metrics", "health"}),
     (
         "surfaces",
         {

@@ -13,6 +13,7 @@ from django.db import DatabaseError, close_old_connections, connection
 
 from events_ledger.cleanup import CleanupSummary, RunNotTerminal, cleanup_run, plan_run, sweep
 from events_ledger.conf import ledger_settings
+from events_ledger.diagnosis import plan_lines
 from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
 from events_ledger.models import EventRun, EventRunResource
 
@@ -191,15 +192,9 @@ class Command(LedgerCommand):
             if not groups:
                 continue
             self.stdout.write(f"run {pk} ({run.name}, {run.status}) would give back:")
-            for g in groups:
-                self.stdout.write(
-                    f"  - {g.call}" + (f"  [cannot: {g.problem}]" if g.problem else "")
-                )
-                if g.by_key and not g.waiting_for:
-                    self.stdout.write(
-                        "    (its step's answer may be on the ledger in part: the module "
-                        "is asked for everything the key made)"
-                    )
+            # The same words as the console's "why is this stuck?", from the same code.
+            for line in plan_lines(groups):
+                self.stdout.write(line)
         return OK
 
     # ── loop ──
