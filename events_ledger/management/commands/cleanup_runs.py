@@ -19,6 +19,8 @@ from events_ledger.models import EventRun, EventRunResource
 
 logger = logging.getLogger("events_ledger")
 
+#: Why a sweep exits 1; the lines above it say which runs.
+NEEDS_A_HUMAN = "a run is incomplete, or a pass failed: a human must look."
 #: The shortest --loop interval: a tighter loop only hammers the database.
 MIN_LOOP_S = 0.1
 #: How long a loop waits after a pass failed, at most (doubling from the interval).
@@ -67,11 +69,10 @@ class Command(LedgerCommand):
             _ = ledger_settings.CLEANUP_RUN_BATCH  # a wrong setting is bad input, said plainly
         except Exception as exc:
             raise self.bad_input(str(exc)) from exc
-        self.verbosity = opts["verbosity"]
         self.as_json = opts["json"]
         run = self._run(opts["run"]) if opts["run"] is not None else None
         if opts["dry_run"]:
-            return self.finish(self._dry_run(run, opts["reset_attempts"]))
+            return self.finish(self._dry_run(run, opts["reset_attempts"]), "")
         if run is not None:
             actor = opts["actor"] or f"cli:{getpass.getuser()}"
             try:
@@ -83,15 +84,18 @@ class Command(LedgerCommand):
             except RunNotTerminal as exc:
                 raise self.bad_input(f"{exc}. Finish or cancel it first.") from exc
             self._report([summary], {})
-            return self.finish(NEEDS_HUMAN if summary.cleanup_status == "incomplete" else OK)
+            incomplete = summary.cleanup_status == "incomplete"
+            return self.finish(
+                NEEDS_HUMAN if incomplete else OK, f"run {run.pk} is incomplete: a human must look."
+            )
         if opts["loop"] is not None:
-            return self.finish(self._loop(opts["loop"]))
+            return self.finish(self._loop(opts["loop"]), NEEDS_A_HUMAN)
         try:
             status = self._sweep_once()
         except DatabaseError as exc:
             self.stderr.write(self.style.ERROR(f"the pass failed: {exc}"))
             status = NEEDS_HUMAN
-        return self.finish(status)
+        return self.finish(status, NEEDS_A_HUMAN)
 
     def _run(self, pk: int) -> EventRun:
         try:

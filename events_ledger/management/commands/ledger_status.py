@@ -24,7 +24,7 @@ class Command(LedgerCommand):
             self.emit_json(status.as_dict())
         elif opts["verbosity"]:
             self._print(status, opts["verbosity"])
-        self.finish(OK if status.healthy else NEEDS_HUMAN)
+        self.finish(OK if status.healthy else NEEDS_HUMAN, "the ledger is unhealthy.")
 
     def _print(self, s: LedgerStatus, verbosity: int) -> None:
         out = self.stdout.write

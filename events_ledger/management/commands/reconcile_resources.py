@@ -53,4 +53,7 @@ class Command(LedgerCommand):
                     self.stdout.write(f"  {s.reason}")
                 for error in s.errors:
                     self.stderr.write(self.style.ERROR(f"  {name}: {error}"))
-        self.finish(NEEDS_HUMAN if held_back or failed else OK)
+        self.finish(
+            NEEDS_HUMAN if held_back or failed else OK,
+            "a module's answer was held back or failed: a human must look.",
+        )
