@@ -18,6 +18,8 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.formats import date_format
 from django.utils.html import format_html
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
 
 from .cleanup import RunNotTerminal, cleanup_run, plan_run, reconcile_module
 from .conf import ledger_settings
@@ -114,7 +116,7 @@ class EventRunAdmin(LedgerAdmin):
             return False
         return super().has_delete_permission(request, obj)
 
-    @admin.display(description="run", ordering="id")
+    @admin.display(description=gettext_lazy("run"), ordering="id")
     def run_name(self, run: EventRun) -> str:
         # Id and scope under the name: fewer columns, so the list fits beside its filters.
         return format_html(
@@ -125,15 +127,15 @@ class EventRunAdmin(LedgerAdmin):
             run.scope,
         )
 
-    @admin.display(description="status", ordering="status")
+    @admin.display(description=gettext_lazy("status"), ordering="status")
     def status_pill(self, run: EventRun) -> str:
         return pill(run.status)
 
-    @admin.display(description="cleanup", ordering="cleanup_status")
+    @admin.display(description=gettext_lazy("cleanup"), ordering="cleanup_status")
     def cleanup_pill(self, run: EventRun) -> str:
         return pill(run.cleanup_status)
 
-    @admin.display(description="created → finished", ordering="created_at")
+    @admin.display(description=gettext_lazy("created → finished"), ordering="created_at")
     def created(self, run: EventRun) -> str:
         # One column for both, so the list fits beside its filters at 1280 pixels.
         start, end = run.created_at, run.finished_at
@@ -144,7 +146,7 @@ class EventRunAdmin(LedgerAdmin):
             when(end, "H:i" if same_day else "Y-m-d H:i"),
         )
 
-    @admin.display(description="unresolved", ordering="unresolved_count")
+    @admin.display(description=gettext_lazy("unresolved"), ordering="unresolved_count")
     def unresolved(self, run: EventRun) -> str:
         count = getattr(run, "unresolved_count", None)
         if count is None:
@@ -186,7 +188,9 @@ class EventRunAdmin(LedgerAdmin):
 
     # ── the human retry (C4 with reset_attempts) ──
 
-    @admin.action(permissions=["retry_cleanup"], description="Retry cleanup (reset attempts)")
+    @admin.action(
+        permissions=["retry_cleanup"], description=gettext_lazy("Retry cleanup (reset attempts)")
+    )
     def retry_cleanup(
         self, request: HttpRequest, queryset: QuerySet[EventRun]
     ) -> HttpResponse | None:
@@ -198,7 +202,7 @@ class EventRunAdmin(LedgerAdmin):
             return None  # back to the changelist, with the messages
         context = {
             **self.admin_site.each_context(request),
-            "title": "Retry cleanup",
+            "title": _("Retry cleanup"),
             "subtitle": None,
             "opts": self.opts,
             "runs": [
@@ -217,18 +221,29 @@ class EventRunAdmin(LedgerAdmin):
         try:
             s = cleanup_run(run, reset_attempts=True, actor=request.user.get_username())
         except RunNotTerminal as exc:
-            self.message_user(request, f"Refused: {exc}", messages.ERROR)
+            self.message_user(request, _("Refused: %(reason)s") % {"reason": exc}, messages.ERROR)
             return
         except Exception as exc:  # one run's failure must not hide the others' results
             logger.exception("retry of run %s failed", run.pk, extra={"run_id": run.pk})
-            failure = f"run {run.pk}: the retry failed: {type(exc).__name__}: {exc}"
+            failure = _("run %(id)s: the retry failed: %(error)s") % {
+                "id": run.pk,
+                "error": f"{type(exc).__name__}: {exc}",
+            }
             self.message_user(request, failure, messages.ERROR)
             return
         levels = {"complete": messages.SUCCESS, "pending": messages.WARNING}
-        text = (
-            f"run {run.pk} {run.name}: reverted {s.reverted}, drifted {s.drifted}, "
-            f"failed {s.failed}, remaining {s.remaining} → cleanup {s.cleanup_status}"
-        )
+        text = _(
+            "run %(id)s %(name)s: reverted %(reverted)d, drifted %(drifted)d, "
+            "failed %(failed)d, remaining %(remaining)d → cleanup %(status)s"
+        ) % {
+            "id": run.pk,
+            "name": run.name,
+            "reverted": s.reverted,
+            "drifted": s.drifted,
+            "failed": s.failed,
+            "remaining": s.remaining,
+            "status": s.cleanup_status,
+        }
         if s.errors:
             text += f" ({'; '.join(s.errors[:3])})"
         self.message_user(request, text, levels.get(s.cleanup_status, messages.ERROR))
@@ -271,11 +286,11 @@ class EventRunAdmin(LedgerAdmin):
 
 
 class ResolutionFilter(admin.SimpleListFilter):
-    title = "resolution"
+    title = gettext_lazy("resolution")
     parameter_name = "resolution"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("unresolved", "unresolved (stuck or owed)"), ("released", "released")]
+        return [("unresolved", _("unresolved (stuck or owed)")), ("released", _("released"))]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         if self.value() == "unresolved":
@@ -314,7 +329,7 @@ class EventRunResourceAdmin(LedgerAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[EventRunResource]:
         return super().get_queryset(request).select_related("run", "step")
 
-    @admin.display(description="resource", ordering="id")
+    @admin.display(description=gettext_lazy("resource"), ordering="id")
     def resource(self, row: EventRunResource) -> str:
         return format_html(
             '<code>{}:{}</code><br><span class="el-quiet">#{} · {}</span>',
@@ -324,7 +339,7 @@ class EventRunResourceAdmin(LedgerAdmin):
             row.owner_module,
         )
 
-    @admin.display(description="run", ordering="run")
+    @admin.display(description=gettext_lazy("run"), ordering="run")
     def run_link(self, row: EventRunResource) -> str:
         url = reverse("admin:events_ledger_eventrun_change", args=[row.run_id])
         return format_html(
@@ -334,25 +349,25 @@ class EventRunResourceAdmin(LedgerAdmin):
             row.run.name,
         )
 
-    @admin.display(description="attempts", ordering="revert_attempts")
+    @admin.display(description=gettext_lazy("attempts"), ordering="revert_attempts")
     def attempts(self, row: EventRunResource) -> int:
         return row.revert_attempts
 
-    @admin.display(description="status", ordering="status")
+    @admin.display(description=gettext_lazy("status"), ordering="status")
     def status_pill(self, row: EventRunResource) -> str:
         return pill(row.status)
 
-    @admin.display(description="last error")
+    @admin.display(description=gettext_lazy("last error"))
     def error(self, row: EventRunResource) -> str:
         text = row.last_error or ""
         return text if len(text) <= 80 else text[:79] + "…"
 
-    @admin.display(description="claimed")
+    @admin.display(description=gettext_lazy("claimed"))
     def claimed_since(self, row: EventRunResource) -> str:
         stamp = claim_stamp(row)
         return when_cell(stamp) if stamp else ""
 
-    @admin.display(description="payload")
+    @admin.display(description=gettext_lazy("payload"))
     def payload_json(self, row: EventRunResource) -> str:
         return format_html('<pre class="el-json">{}</pre>', as_json(row.payload, indent=1))
 
@@ -374,7 +389,8 @@ class EventRunResourceAdmin(LedgerAdmin):
         return super().render_change_form(request, context, add, change, form_url, obj)
 
     @admin.action(
-        permissions=["reconcile_resources"], description="Reconcile the selected resources' modules"
+        permissions=["reconcile_resources"],
+        description=gettext_lazy("Reconcile the selected resources' modules"),
     )
     def reconcile(self, request: HttpRequest, queryset: QuerySet[EventRunResource]) -> None:
         """C6 for each owner module among the selection; never forced from here (the
@@ -382,12 +398,22 @@ class EventRunResourceAdmin(LedgerAdmin):
         owners = sorted(set(queryset.order_by().values_list("owner_module", flat=True).distinct()))
         for owner in owners:
             s = reconcile_module(owner)
-            text = (
-                f"{owner}: asked {s.asked}, in force {s.in_force}, orphaned {s.orphaned}, "
-                f"unanswered {s.unanswered}"
-            )
+            text = _(
+                "%(owner)s: asked %(asked)d, in force %(in_force)d, orphaned %(orphaned)d, "
+                "unanswered %(unanswered)d"
+            ) % {
+                "owner": owner,
+                "asked": s.asked,
+                "in_force": s.in_force,
+                "orphaned": s.orphaned,
+                "unanswered": s.unanswered,
+            }
             if s.held_back:
-                self.message_user(request, f"{text}. Held back: {s.reason}", messages.WARNING)
+                held = _("%(summary)s. Held back: %(reason)s") % {
+                    "summary": text,
+                    "reason": s.reason,
+                }
+                self.message_user(request, held, messages.WARNING)
             else:
                 level = messages.WARNING if s.unanswered else messages.SUCCESS
                 self.message_user(request, text, level)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.utils import timezone
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_noop
 
 from .cleanup import Group, plan_run
 from .conf import ledger_settings
@@ -13,7 +15,7 @@ from .models import EventRunResource
 from .states import UNRESOLVED
 
 #: Said under a call by key: the step's answer may be on the ledger only in part.
-BY_KEY_NOTE = (
+BY_KEY_NOTE = gettext_noop(
     "(its step's answer may be on the ledger in part: the module is asked for everything "
     "the key made)"
 )
@@ -35,7 +37,7 @@ def planned_call(group: Group) -> PlannedCall:
     return PlannedCall(
         call=group.call,
         problem=group.problem,
-        note=BY_KEY_NOTE if group.by_key and not waiting else None,
+        note=_(BY_KEY_NOTE) if group.by_key and not waiting else None,
     )
 
 
@@ -44,7 +46,9 @@ def plan_lines(groups: list[Group]) -> list[str]:
     lines = []
     for group in groups:
         planned = planned_call(group)
-        problem = f"  [cannot: {planned.problem}]" if planned.problem else ""
+        problem = (
+            _("  [cannot: %(problem)s]") % {"problem": planned.problem} if planned.problem else ""
+        )
         lines.append(f"  - {planned.call}{problem}")
         if planned.note:
             lines.append(f"    {planned.note}")
@@ -82,24 +86,32 @@ def diagnose(row: EventRunResource) -> Diagnosis:
     since = claim_stamp(row)
     stale = since is not None and timezone.now() - since > ledger_settings.REVERT_CLAIM_TTL
     if not unresolved:
-        note = f"Nothing: this row is {row.status}, its target is released."
+        note = _("Nothing: this row is %(status)s, its target is released.") % {
+            "status": row.status
+        }
     elif group is None:
-        note = (
-            f"Not in the next retry: a pass calls at most {len(plan)} groups "
+        note = _(
+            "Not in the next retry: a pass calls at most %(groups)d groups "
             "(CLEANUP_GROUPS_PER_RUN); it comes in a later one."
-        )
+        ) % {"groups": len(plan)}
     elif group.waiting_for:
         w = group.waiting_for
-        note = (
-            f"Its step {w['step']} ({w['action']}) is in flight on "
-            f"{w['claimed_by'] or 'an unknown host'} since {w['claimed_at']} UTC: a call of it "
-            "may still change the world, so cleanup waits until the call ends (or until its "
-            "claim goes stale, STEP_CLAIM_TTL after that process stopped stamping it)."
-        )
+        note = _(
+            "Its step %(step)s (%(action)s) is in flight on %(host)s since %(since)s UTC: a "
+            "call of it may still change the world, so cleanup waits until the call ends (or "
+            "until its claim goes stale, STEP_CLAIM_TTL after that process stopped stamping it)."
+        ) % {
+            "step": w["step"],
+            "action": w["action"],
+            "host": w["claimed_by"] or _("an unknown host"),
+            "since": w["claimed_at"],
+        }
     elif not row.run.is_terminal:
-        note = f"The run is still {row.run.status}: cleanup starts when it ends. It would call:"
+        note = _("The run is still %(status)s: cleanup starts when it ends. It would call:") % {
+            "status": row.run.status
+        }
     else:
-        note = "Retry cleanup of its run would reset its attempts and call:"
+        note = _("Retry cleanup of its run would reset its attempts and call:")
     planned = planned_call(group) if group is not None else None
     # While its step is in flight no call is made: the note says what it waits for.
     waiting = group is not None and group.waiting_for is not None

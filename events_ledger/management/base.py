@@ -6,7 +6,8 @@ import io
 import json
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, OutputWrapper
+from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
+from django.utils.translation import gettext as _
 
 #: Exit statuses. 0: clean, or retries pending. 1: something needs a human. 2: bad input.
 OK, NEEDS_HUMAN, BAD_INPUT = 0, 1, 2
@@ -19,9 +20,16 @@ class LedgerCommand(BaseCommand):
         self.verbosity = options.get("verbosity", 1)
         return super().execute(*args, **options)
 
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        # ``help`` is marked with gettext_noop (argparse cannot take a lazy string), and
+        # translated here, when the parser is built in the user's language.
+        parser.description = _(self.help) if self.help else None
+        return parser
+
     def add_json_argument(self, parser: Any) -> None:
         parser.add_argument(
-            "--json", action="store_true", help="Print one JSON document, for machines."
+            "--json", action="store_true", help=_("Print one JSON document, for machines.")
         )
 
     def emit_json(self, document: Any) -> None:
