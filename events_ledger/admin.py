@@ -38,7 +38,7 @@ PAGE_LIMIT = 500
 
 
 def pill(value: str) -> str:
-    # Coloured by status in events_ledger/admin/style.html, as the templates' pills are.
+    # Coloured by status in static/events_ledger/admin/console.css, as the templates' pills are.
     return format_html('<span class="el-pill el-s-{}">{}</span>', value, value.replace("_", " "))
 
 
@@ -66,7 +66,13 @@ def as_json(value: Any, indent: int | None = None) -> str:
 
 
 class LedgerAdmin(admin.ModelAdmin):
-    """Shared: permission checks for the app's own permissions (declared on EventRun)."""
+    """Shared: the console's stylesheet, and permission checks for the app's own
+    permissions (declared on EventRun)."""
+
+    class Media:
+        # Pills by status, the banner, the "why" panel, the dashboard's colours. The
+        # change list renders media.css, the change form and the retry page all media.
+        css = {"all": ["events_ledger/admin/console.css"]}
 
     def _has_app_perm(self, request: HttpRequest, codename: str) -> bool:
         return request.user.has_perm(f"{self.opts.app_label}.{codename}")
@@ -104,7 +110,6 @@ class EventRunAdmin(LedgerAdmin):
     )
     readonly_fields = ("status_pill", "cleanup_pill", "unresolved")
     change_form_template = "events_ledger/admin/eventrun_change_form.html"
-    change_list_template = "events_ledger/admin/change_list.html"
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[EventRun]:
         # S3: the count in the same query as the runs, never one query per row.
@@ -321,7 +326,6 @@ class EventRunResourceAdmin(LedgerAdmin):
     )
     readonly_fields = ("claimed_since", "payload_json")
     change_form_template = "events_ledger/admin/eventrunresource_change_form.html"
-    change_list_template = "events_ledger/admin/change_list.html"
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False  # a ledger row is never deleted by hand: that is losing a resource

@@ -221,6 +221,23 @@ def test_why_is_this_stuck(admin_client):  # S3, R5, C3
 
 
 @pytest.mark.django_db
+def test_the_consoles_css_is_one_static_file_on_every_page(admin_client):  # S3, #13
+    run = RunFactory(status="completed", cleanup_status="incomplete")
+    row = ResourceFactory(run=run)
+    link = 'href="/static/events_ledger/admin/console.css"'
+    pages = [runs_url(), resources_url(), run_url(run), row_url(row)]
+    pages.append(reverse("admin:app_list", args=["events_ledger"]))
+    for url in pages:
+        html = admin_client.get(url).content.decode()
+        assert html.count(link) == 1, url
+        assert ".el-pill {" not in html, url  # no inline copy of the stylesheet
+    retry = admin_client.post(
+        runs_url(), {"action": "retry_cleanup", "_selected_action": [run.pk]}
+    ).content.decode()
+    assert "Retry cleanup" in retry and retry.count(link) == 1
+
+
+@pytest.mark.django_db
 def test_the_console_and_the_dry_run_name_the_same_call(admin_client):  # S3, S1
     run = RunFactory(status="failed", cleanup_status="pending")
     step = StepFactory(run=run, action_id="world.spawn")

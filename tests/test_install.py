@@ -101,12 +101,14 @@ def test_the_wheel_installs_into_a_new_project_and_gives_resources_back(tmp_path
     with tarfile.open(sdist) as tar:
         members = [m.split("/", 1)[1] for m in tar.getnames() if "/" in m]
     assert "events_ledger/migrations/0001_initial.py" in members and "CHANGELOG.md" in members
+    assert "events_ledger/static/events_ledger/admin/console.css" in members
     assert not [m for m in members if m.startswith(("project/", "tests/", "docs/"))]
     names = subprocess.run(
         [sys.executable, "-m", "zipfile", "-l", str(wheel)], capture_output=True, text=True
     ).stdout
     assert "events_ledger/migrations/0001_initial.py" in names and "events_ledger/py.typed" in names
     assert "project/" not in names and "tests/" not in names
+    assert "events_ledger/static/events_ledger/admin/console.css" in names  # the console's CSS
 
     venv = tmp_path / "venv"
     sh(sys.executable, "-m", "venv", str(venv), cwd=tmp_path, env=env)
