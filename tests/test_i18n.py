@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from django.contrib import admin
 from django.core.management import call_command
+from django.urls import reverse
 from django.utils import translation
 
 from events_ledger.checks import check_settings
@@ -26,6 +27,8 @@ CATALOG = {
         "Nichts: diese Zeile ist %(status)s, ihr Ziel ist frei."
     ),
     "Events ledger": "Ereignisbuch",
+    "Why is this stuck?": "Warum hängt das fest?",
+    "Retry cleanup of run %(run_id)s…": "Aufräumen von Lauf %(run_id)s wiederholen…",
 }
 
 
@@ -81,3 +84,13 @@ def test_a_commands_output(german):
     out = StringIO()
     call_command("cleanup_runs", stdout=out)
     assert out.getvalue() == "nichts zurückzugeben\n"
+
+
+@pytest.mark.django_db
+def test_the_consoles_pages(german, admin_client):
+    run = RunFactory(status="failed", cleanup_status="pending")
+    row = ResourceFactory(run=run)
+    url = reverse("admin:events_ledger_eventrunresource_change", args=[row.pk])
+    html = admin_client.get(url, headers={"accept-language": "de"}).content.decode()
+    assert "Warum hängt das fest?" in html
+    assert f"Aufräumen von Lauf {run.pk} wiederholen…" in html
