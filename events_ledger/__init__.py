@@ -19,6 +19,11 @@ _EXPORTS = {
     "execute_step": "ledger",
     "StepResult": "ledger",
     "classify_revert": "envelopes",
+    # The status vocabulary (#13): str enums, equal to the values stored.
+    "RunStatus": "states",
+    "CleanupStatus": "states",
+    "StepStatus": "states",
+    "ResourceStatus": "states",
     "cleanup_run": "cleanup",
     "plan_run": "cleanup",
     "sweep": "cleanup",

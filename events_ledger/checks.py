@@ -126,17 +126,16 @@ def _budget_errors() -> list[Any]:
     if default >= revert_ttl:
         too_long("DEFAULT_REVERT_BUDGET", default, revert_ttl, "REVERT_CLAIM_TTL")
     for action in registry.actions.values():
-        budget = (action.budget_ms or 0) / 1000
         if callable(action.perform):
-            too_long(_("action %(id)r") % {"id": action.id}, budget, step_ttl, "STEP_CLAIM_TTL")
+            where = _("action %(id)r") % {"id": action.id}
+            too_long(where, action.budget_s, step_ttl, "STEP_CLAIM_TTL")
         if callable(action.revert):
             where = _("action %(id)r") % {"id": action.id}
-            too_long(where, budget or default, revert_ttl, "REVERT_CLAIM_TTL")
+            too_long(where, action.budget_s, revert_ttl, "REVERT_CLAIM_TTL")
     for lease in registry.leases.values():
-        budget = (lease.budget_ms or 0) / 1000 or default
         where = _("lease %(id)r") % {"id": lease.id}
-        too_long(where, budget, step_ttl, "STEP_CLAIM_TTL")
-        too_long(where, budget, revert_ttl, "REVERT_CLAIM_TTL")
+        too_long(where, lease.budget_s, step_ttl, "STEP_CLAIM_TTL")
+        too_long(where, lease.budget_s, revert_ttl, "REVERT_CLAIM_TTL")
     return errors
 
 

@@ -24,11 +24,12 @@ from .db import (
     storable_json,
 )
 from .deadline import CallResult, call_all, call_with_deadline
-from .envelopes import Verdict, classify_revert, describe
+from .envelopes import Verdict, classify_revert, read_reconcile
 from .logcontext import log_context
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from .registry import Action
 from .registry import default_registry as registry
+from .states import RELEASED_UNCLEAN, CleanupStatus, ResourceStatus
 
 logger = logging.getLogger("events_ledger")
 
@@ -224,12 +225,11 @@ def _give_back(group: Group, rows: list[EventRunResource]) -> Verdict:
             for r in rows
         ]
     )
-    budget = (action.budget_ms or 0) / 1000 or ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds()
     call = call_with_deadline(
         lambda: revert(
             run_id=rows[0].run_id, resources=resources, idempotency_key=group.idempotency_key
         ),
-        budget,
+        action.budget_s,
         f"{action.id}.revert",
     )
     return classify_revert(call, action.id)
@@ -250,7 +250,6 @@ def _restore_lease(row: EventRunResource) -> Verdict:
     restore = lease.restore
     if not callable(restore):
         return Verdict("terminal", f"the lease {lease.id} declares no restore()")
-    budget = (lease.budget_ms or 0) / 1000 or ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds()
     call = call_with_deadline(
         lambda: restore(
             payload.get("baseline"),
@@ -258,7 +257,7 @@ def _restore_lease(row: EventRunResource) -> Verdict:
             run_id=row.run_id,
             target=found.target,
         ),
-        budget,
+        lease.budget_s,
         f"{lease.id}.restore",
     )
     return classify_revert(call, row.ref)
@@ -333,7 +332,7 @@ def cleanup_run(
             # reset cannot lose who reset how many rows.
             with transaction.atomic():
                 reset = Res.reset_attempts(run)
-                EventRun.objects.set_cleanup_status(run, "pending")
+                EventRun.objects.set_cleanup_status(run, CleanupStatus.PENDING)
                 EventRunLog.objects.write(run, "cleanup.retry", {"resources": reset, "by": actor})
         return _work_runs([run], human=reset_attempts, actor=actor, reset=reset)[0]
 
@@ -440,7 +439,8 @@ def _claim(
     claim = in_transaction(
         lambda: Res.claim_group(
             rows,
-            released=any(r.status in ("orphaned", "drifted") for r in rows),
+            ledger_settings.REVERT_CLAIM_TTL,
+            released=any(r.status in RELEASED_UNCLEAN for r in rows),
             step_ttl=ledger_settings.STEP_CLAIM_TTL,
         )
     )
@@ -495,7 +495,7 @@ class _Writes:
         self,
         pks: list[int],
         error: str | None,
-        restore_to: str = "confirmed",
+        restore_to: str = ResourceStatus.CONFIRMED,
         *,
         spend_all: bool = False,
         spent_claims: bool = False,
@@ -509,7 +509,12 @@ class _Writes:
         written = Res.mark_reverted(self.reverted, token=token) if self.reverted else 0
         for (error, restore_to, spend_all, spent_claims), pks in self.failed.items():
             written += Res.fail_revert(
-                pks, error, restore_to, token=token, spend_all=spend_all, spent_claims=spent_claims
+                pks,
+                error,
+                restore_to,
+                token=token,
+                spend_to=ledger_settings.MAX_REVERT_ATTEMPTS if spend_all else None,
+                spent_claims=spent_claims,
             )
         if self.unstarted:
             Res.unclaim(self.unstarted, token)
@@ -562,7 +567,7 @@ def _write_verdicts(
             writes.reverted += good
             writes.fail(bad, bad_error)
         elif verdict.outcome == "drifted":
-            writes.fail(ids, verdict.error, "drifted")
+            writes.fail(ids, verdict.error, ResourceStatus.DRIFTED)
         else:
             writes.fail(ids, verdict.error, spend_all=verdict.outcome == "terminal")
     written = writes.run(token) if token is not None else None
@@ -722,8 +727,8 @@ class SweepReport:
     @property
     def incomplete(self) -> list[int]:
         """Runs this pass left ``incomplete``, by any path (a cleanup or the repair)."""
-        ids = {s.run_id for s in self.runs if s.cleanup_status == "incomplete"}
-        ids |= {pk for pk, status in self.repaired_runs if status == "incomplete"}
+        ids = {s.run_id for s in self.runs if s.cleanup_status == CleanupStatus.INCOMPLETE}
+        ids |= {pk for pk, status in self.repaired_runs if status == CleanupStatus.INCOMPLETE}
         return sorted(ids)
 
 
@@ -754,7 +759,7 @@ def _sweep(limit: int | None, should_stop: Callable[[], bool] | None) -> SweepRe
         _drop_if_dead(exc)
     batch = limit or ledger_settings.CLEANUP_RUN_BATCH
     runs = retrying_deadlocks(
-        lambda: Res.runs_needing_cleanup(
+        lambda: EventRun.objects.needing_cleanup(
             batch, max_attempts, max_claims, step_ttl=ledger_settings.STEP_CLAIM_TTL
         )
     )
@@ -884,16 +889,10 @@ def _reconcile(owner: str, force: bool, max_fraction: float | None) -> Reconcile
     )
     for (group, action), call in zip(asking, calls, strict=True):
         assert call is not None
-        answer = call.value
-        if (
-            call.timed_out
-            or call.error is not None
-            or not isinstance(answer, dict)
-            or answer.get("ok") is not True
-            or not isinstance(answer.get("in_force"), list)
-        ):
+        answer = read_reconcile(call, f"{action.id}.reconcile")
+        if answer.in_force is None:
             summary.unanswered += len(group.rows)
-            error = storable(call.message or f"{action.id}.reconcile answered {describe(answer)}")
+            error = storable(answer.error or "")
             summary.errors.append(error)
             context = {
                 "run_id": group.run_id,
@@ -903,9 +902,8 @@ def _reconcile(owner: str, force: bool, max_fraction: float | None) -> Reconcile
             logger.warning("reconcile of %s unanswered: %s", action.id, error, extra=context)  # #15
             continue
         summary.asked += len(group.rows)
-        in_force = {str(ref) for ref in answer["in_force"]}
         for row in group.rows:
-            if row.ref in in_force:
+            if row.ref in answer.in_force:
                 summary.in_force += 1
             else:
                 missing.append((row, action.id))
@@ -923,15 +921,17 @@ def _reconcile(owner: str, force: bool, max_fraction: float | None) -> Reconcile
         return summary
     if missing:
         summary.orphaned = Res.mark_orphaned(
-            [r.pk for r, _ in missing], "the module reports this is no longer in force"
+            [r.pk for r, _ in missing],
+            "the module reports this is no longer in force",
+            ttl=ledger_settings.REVERT_CLAIM_TTL,
         )
         # A row claimed by a sweeper since it was read is left alone (R10): only the
         # rows the UPDATE moved are logged as orphaned.
         orphaned = (
             set(
-                Res.filter(pk__in=[r.pk for r, _ in missing], status="orphaned").values_list(
-                    "pk", flat=True
-                )
+                Res.filter(
+                    pk__in=[r.pk for r, _ in missing], status=ResourceStatus.ORPHANED
+                ).values_list("pk", flat=True)
             )
             if summary.orphaned < len(missing)
             else {r.pk for r, _ in missing}
@@ -960,7 +960,7 @@ def _ask_reconcile(group: Group, action: Action) -> CallResult:
     resources = [{"kind": r.kind, "ref": r.ref, "payload": r.payload} for r in group.rows]
     return call_with_deadline(
         partial(action.reconcile, run_id=group.rows[0].run_id, resources=resources),
-        (action.budget_ms or 0) / 1000 or ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds(),
+        action.budget_s,
         f"{action.id}.reconcile",
     )
 

@@ -16,7 +16,7 @@ from django.utils import timezone
 from django.utils.formats import date_format
 
 from .models import EventRun, EventRunResource, EventRunStep
-from .states import HELD, UNRESOLVED
+from .states import HELD, UNRESOLVED, StepStatus
 from .status import LedgerStatus, ModuleRows, duration
 
 #: Modules drawn in the bar chart; the rest are counted under it.
@@ -167,7 +167,7 @@ def run_timeline(
     shown_steps, shown_rows = list(steps)[:MAX_STEP_LANES], list(rows)[:MAX_ROW_LANES]
 
     def step_end(s: EventRunStep) -> tuple[datetime, bool]:
-        done = s.status in ("done", "failed", "refused")
+        done = s.status in (StepStatus.DONE, StepStatus.FAILED, StepStatus.REFUSED)
         return (s.updated_at if done else now), not done
 
     def row_end(r: EventRunResource) -> tuple[datetime, bool]:

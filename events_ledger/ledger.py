@@ -5,161 +5,36 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from django.db import connection
-from django.utils import timezone
-from django.utils.dateparse import parse_datetime
 
 from . import signals
 from .conf import ledger_settings
 from .db import bounded, in_transaction, statements_retried, storable, storable_json
 from .deadline import CallResult, call_with_deadline
-from .envelopes import describe, is_success
+from .envelopes import (
+    MAX_REF,
+    Verdict,
+    as_text,
+    check_json,
+    classify_perform,
+    describe,
+    is_success,
+    parse_until,
+    read_resources,
+)
 from .inflight import keeper, process_name
 from .logcontext import bind, log_context
-from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
+from .models import EventRun, EventRunLog, EventRunResource, EventRunStep
 from .registry import LEASE_ACTION_ID, Action
 from .registry import default_registry as registry
+from .states import LIVE, CleanupStatus, ResourceStatus, StepStatus
 
 logger = logging.getLogger("events_ledger")
 
-MAX_KIND = 64
-MAX_REF = 190
-MAX_MEMBER_KEY = 190
-
 #: Classes whose resources the ledger must come back for.
 LEDGERED = ("ledger", "override")
-
-
-# ── W1 ──
-
-
-@dataclass(frozen=True)
-class Normalised:
-    ok: bool
-    row: dict[str, Any] | None = None
-    reason: str | None = None
-
-
-def _refuse(action_id: str, why: str) -> Normalised:
-    return Normalised(ok=False, reason=f"{action_id} reported a resource {why}")
-
-
-def _text(value: Any) -> str:
-    return "" if value is None else str(value)
-
-
-def normalise(entry: Any, action_id: str) -> Normalised:
-    """W1: one reported resource → a row, or the reason it is refused.
-
-    Every refusal is the module's mistake, not the world's, so none is retried. Nothing
-    is ever cut to fit: a truncated ref names the wrong object.
-    """
-    if not isinstance(entry, dict):
-        return _refuse(action_id, f"that is not a mapping: {describe(entry, 60)}")
-    kind, ref = _text(entry.get("kind")), _text(entry.get("ref"))
-    if not kind or len(kind) > MAX_KIND:
-        return _refuse(action_id, f"with a bad kind {describe(entry.get('kind'), 80)}")
-    if kind == STEP_KIND:
-        # The app's own: a module that could write one could make its own step look resolved.
-        return _refuse(action_id, f"of the reserved kind {kind!r}")
-    if not ref or len(ref) > MAX_REF:
-        return _refuse(
-            action_id, f"with a bad ref {describe(entry.get('ref'), 80)} (1–{MAX_REF} characters)"
-        )
-    if "\x00" in kind or "\x00" in ref or not _utf8(kind) or not _utf8(ref):
-        return _refuse(action_id, "with a NUL or a lone surrogate in its kind or ref")
-    member_key = entry.get("member_key", entry.get("memberKey"))
-    member_key = None if member_key is None else str(member_key)
-    if member_key is not None and len(member_key) > MAX_MEMBER_KEY:
-        return _refuse(action_id, f"with a member_key over {MAX_MEMBER_KEY} characters")
-    if member_key is not None and ("\x00" in member_key or not _utf8(member_key)):
-        return _refuse(action_id, "with a NUL or a lone surrogate in its member_key")
-    until = entry.get("until")
-    lease_until: datetime | None = None
-    if until is not None:
-        lease_until = parse_until(until)
-        if lease_until is None:
-            return _refuse(action_id, f"with a bad until {describe(until, 60)}")
-    if kind == "override" and registry.lease_for_ref(ref) is None:
-        # The ledger gives an override back through the lease registry; a ref naming
-        # no lease is a promise to undo something it has no way to undo.
-        return _refuse(action_id, f"naming the lease {ref!r}, which no module registers")
-    payload = entry.get("payload")
-    try:
-        if payload is not None:
-            _check_json(payload)
-    except (TypeError, ValueError) as exc:
-        return _refuse(action_id, f"with a payload that is not JSON ({exc})")
-    return Normalised(
-        ok=True,
-        row={
-            "kind": kind,
-            "ref": ref,
-            "payload": payload,
-            "lease_until": lease_until,
-            "member_key": member_key,
-        },
-    )
-
-
-def parse_until(value: Any) -> datetime | None:
-    if isinstance(value, datetime):
-        parsed: datetime | None = value
-    elif isinstance(value, str):
-        try:
-            parsed = parse_datetime(value.strip())
-        except ValueError:
-            return None
-    else:
-        return None
-    if parsed is None:
-        return None
-    if timezone.is_naive(parsed):
-        parsed = timezone.make_aware(parsed, UTC)
-    try:
-        # The databases store years 1–9999 only; a value outside is not a date for us.
-        parsed.astimezone(UTC)
-    except (OverflowError, ValueError):
-        return None
-    return parsed
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _check_json(payload: Any) -> None:
-    import json
-
-    from django.core.serializers.json import DjangoJSONEncoder
-
-    json.dumps(payload, cls=DjangoJSONEncoder, allow_nan=False)
-    # What one backend stores and another refuses is refused for all: PostgreSQL's
-    # jsonb has no NUL, and no backend stores a lone surrogate.
-    if not _storable_strings(payload):
-        raise ValueError("it holds a NUL or a lone surrogate")
-
-
-def _storable_strings(value: Any, depth: int = 0) -> bool:
-    if isinstance(value, str):
-        return "\x00" not in value and _utf8(value)
-    if depth > 100:
-        return True  # json.dumps has already refused anything circular
-    if isinstance(value, dict):
-        return all(
-            _storable_strings(k, depth + 1) and _storable_strings(v, depth + 1)
-            for k, v in value.items()
-        )
-    if isinstance(value, (list, tuple)):
-        return all(_storable_strings(v, depth + 1) for v in value)
-    return True
 
 
 # ── W4 ──
@@ -174,7 +49,7 @@ def mark_run_dirty(run: Any) -> bool:
     ``incomplete`` stays: it waits for a human, and the sweep's repair re-derives it
     from the rows when new ones arrive."""
     return EventRun.objects.set_cleanup_status(
-        run, "pending", only_from=["not_required", "complete"]
+        run, CleanupStatus.PENDING, only_from=[CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE]
     )
 
 
@@ -294,24 +169,8 @@ class _Answer:
 def _parse(action: Action, resources: Any) -> _Answer:
     if action.reversible not in LEDGERED:
         return _Answer(ledgered=False)
-    answer = _Answer(ledgered=True)
-    if resources is None:
-        entries: list[Any] = []
-    elif isinstance(resources, (list, tuple)):
-        entries = list(resources)
-    else:
-        entries = []
-        answer.rejected.append(
-            f"{action.id} reported resources that are not a list: {describe(resources, 60)}"
-        )
-    for entry in entries:
-        parsed = normalise(entry, action.id)
-        if not parsed.ok:
-            answer.rejected.append(parsed.reason or "")
-            continue
-        assert parsed.row is not None
-        answer.rows.setdefault((parsed.row["kind"], parsed.row["ref"]), parsed.row)
-    return answer
+    read = read_resources(resources, action.id)
+    return _Answer(ledgered=True, rows=read.rows, rejected=read.rejected)
 
 
 def _record(
@@ -461,7 +320,7 @@ def _begin(step_id: int) -> _Begun | StepResult:
     if (
         action is not None
         and action.reversible in LEDGERED
-        and run.cleanup_status in ("not_required", "complete")
+        and run.cleanup_status in (CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE)
         and run.status not in EventRun.TERMINAL
     ):
         # The run's row first, before the claim: on MariaDB, updating the step's status
@@ -472,7 +331,7 @@ def _begin(step_id: int) -> _Begun | StepResult:
     token = _claim(step)
     if token is None:
         return StepResult("busy", error="another call of this step holds its claim")
-    step.status, step.claim_token = "running", token  # as the claim just wrote them
+    step.status, step.claim_token = StepStatus.RUNNING, token  # as the claim just wrote them
     max_attempts = ledger_settings.MAX_STEP_ATTEMPTS
     if step.attempts > max_attempts:
         # Claimed again after attempts whose outcome never got written (a worker died
@@ -512,7 +371,9 @@ def _claim(step: EventRunStep) -> str | None:
     """
     seen = step.attempts
     for _ in range(3):
-        token = EventRunStep.objects.claim(step.pk, by=process_name(), attempts=seen)
+        token = EventRunStep.objects.claim(
+            step.pk, ledger_settings.STEP_CLAIM_TTL, by=process_name(), attempts=seen
+        )
         if token is not None:
             step.attempts = seen + 1
             return token
@@ -547,7 +408,7 @@ def _call(b: _Begun) -> tuple[StepResult, bool]:
             lambda: perform(
                 run_id=run.pk, params=step.params, idempotency_key=step.idempotency_key
             ),
-            b.action.budget_ms / 1000,
+            b.action.budget_s,
             b.action.id,
             late=late,
         )
@@ -616,9 +477,7 @@ def _outcome(b: _Begun, call: CallResult, record: Callable[..., RecordResult]) -
 
 
 def _unanswered(b: _Begun, call: CallResult) -> StepResult:
-    if call.error is not None:
-        return StepResult("retry", error=call.message)
-    return _failure(b.action.id, call.value)
+    return _failure(classify_perform(call, b.action.id))
 
 
 def _done(recorded: RecordResult) -> StepResult:
@@ -632,14 +491,9 @@ def _done(recorded: RecordResult) -> StepResult:
     return result
 
 
-def _failure(what: str, answer: Any) -> StepResult:
-    if not isinstance(answer, dict):
-        return StepResult("retry", error=f"{what} answered with no envelope: {describe(answer)}")
-    error = answer.get("error")
-    message = (
-        str(error) if error not in (None, "") else f"{what} did not confirm: {describe(answer)}"
-    )
-    return StepResult("failed" if answer.get("retry") is False else "retry", error=message)
+def _failure(verdict: Verdict) -> StepResult:
+    """A perform or apply that did not succeed, as the step's result."""
+    return StepResult("failed" if verdict.outcome == "terminal" else "retry", error=verdict.error)
 
 
 def _settle(
@@ -652,9 +506,13 @@ def _settle(
 def _verdict(step: EventRunStep, result: StepResult) -> tuple[str, str, str | None]:
     """The step's status, the outcome and the error text a result is written as."""
     outcome = result.outcome
-    status = {"done": "done", "refused": "refused", "failed": "failed"}.get(outcome, "pending")
+    status = {
+        "done": StepStatus.DONE,
+        "refused": StepStatus.REFUSED,
+        "failed": StepStatus.FAILED,
+    }.get(outcome, StepStatus.PENDING)
     if outcome == "retry" and step.attempts >= ledger_settings.MAX_STEP_ATTEMPTS:
-        status, outcome = "failed", "failed"
+        status, outcome = StepStatus.FAILED, "failed"
     error = result.error
     if error is None and result.rejected:
         error = "; ".join(bounded(result.rejected, REASONS_SHOWN))
@@ -675,7 +533,7 @@ def _write_outcome(step: EventRunStep, token: str, result: StepResult) -> bool:
         written = EventRunStep.objects.settle(
             step, token, status, f"{result.outcome} (the error text could not be stored)"
         )
-    if written and status == "failed":
+    if written and status == StepStatus.FAILED:
         signals.step_failed_for_good(step, error)  # #15: sent at the outcome's commit
     return written
 
@@ -732,7 +590,7 @@ def _lease(run: EventRun, step: EventRunStep, token: str) -> StepResult:
     could be another run's value that is about to be restored) and is on the row before
     the value is applied."""
     params = step.params if isinstance(step.params, dict) else {}
-    ref = _text(params.get("lease"))
+    ref = as_text(params.get("lease"))
     found = registry.lease_for_ref(ref)
     if found is None:
         return StepResult("failed", error=f"no module registers the lease {ref!r}")
@@ -746,16 +604,12 @@ def _lease(run: EventRun, step: EventRunStep, token: str) -> StepResult:
     lease_until = parse_until(until) if until is not None else None
     if until is not None and lease_until is None:
         return StepResult("failed", error=f"the lease's until {describe(until, 60)} is not a date")
-    budget = (
-        (lease.budget_ms / 1000)
-        if lease.budget_ms
-        else ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds()
-    )
+    budget = lease.budget_s
     value = params.get("value")
 
     held = (
         EventRunResource.objects.filter(
-            run=run, step=step, kind="override", ref=ref, status__in=("pending", "confirmed")
+            run=run, step=step, kind="override", ref=ref, status__in=LIVE
         )
         .values_list("pk", "status", "payload")
         .first()
@@ -780,35 +634,33 @@ def _lease(run: EventRun, step: EventRunStep, token: str) -> StepResult:
                 holder_run_id=holder.run_id if holder else None,
             )
         assert answer.id is not None
-        row_id, row_status, payload = answer.id, "pending", {"applied": value}
+        row_id, row_status, payload = answer.id, ResourceStatus.PENDING, {"applied": value}
         mark_run_dirty(run)
     else:
         row_id, row_status, payload = held
         payload = payload if isinstance(payload, dict) else {}
-    if row_status == "confirmed":
+    if row_status == ResourceStatus.CONFIRMED:
         return StepResult("done", recorded=0)
     if "baseline" not in payload:
         read = call_with_deadline(lambda: read_value(target=target), budget, f"{lease.id}.read")
         if read.timed_out or read.error is not None:
             return StepResult("retry", error=read.message)
         try:
-            _check_json(read.value)
+            check_json(read.value)
         except (TypeError, ValueError) as exc:
             return StepResult(
                 "failed", error=f"{lease.id}.read answered a value that is not JSON ({exc})"
             )
         if not EventRunResource.objects.set_payload(
-            row_id, {**payload, "baseline": read.value}, only_status="pending"
+            row_id, {**payload, "baseline": read.value}, only_status=ResourceStatus.PENDING
         ):
             return StepResult("retry", error=f"the reservation of {ref} was released meanwhile")
     # else: this step's earlier attempt read it; a fresh read now could see the value
     # this run applied.
 
     def applied_outcome(call: CallResult) -> StepResult:
-        if call.error is not None:
-            return StepResult("retry", error=call.message)
-        if not is_success(call.value):
-            return _failure(f"{lease.id}.apply", call.value)
+        if call.error is not None or not is_success(call.value):
+            return _failure(classify_perform(call, f"{lease.id}.apply"))
         if not EventRunResource.objects.confirm(row_id):
             # A cleanup took the reservation while the apply ran (this process stalled
             # past the claim TTL): the value is applied, and no live row stands for it.

@@ -16,7 +16,17 @@ from .querysets import (  # noqa: I001
     EventRunResourceQuerySet,
     EventRunStepQuerySet,
 )
-from .states import HELD, LIVE, RUN_TERMINAL, STEP_KIND, UNRESOLVED
+from .states import (
+    HELD,
+    LIVE,
+    RUN_TERMINAL,
+    STEP_KIND,
+    UNRESOLVED,
+    CleanupStatus,
+    ResourceStatus,
+    RunStatus,
+    StepStatus,
+)
 
 
 def mint_idempotency_key() -> str:
@@ -24,19 +34,8 @@ def mint_idempotency_key() -> str:
 
 
 class EventRun(models.Model):
-    class Status(models.TextChoices):
-        PENDING = "pending"
-        RUNNING = "running"
-        COMPLETED = "completed"
-        CANCELLED = "cancelled"
-        FAILED = "failed"
-        MISSED = "missed"
-
-    class CleanupStatus(models.TextChoices):
-        NOT_REQUIRED = "not_required", "not required"
-        PENDING = "pending"
-        COMPLETE = "complete"
-        INCOMPLETE = "incomplete"
+    Status = RunStatus
+    CleanupStatus = CleanupStatus
 
     TERMINAL = RUN_TERMINAL
 
@@ -73,12 +72,7 @@ class EventRun(models.Model):
 
 
 class EventRunStep(models.Model):
-    class Status(models.TextChoices):
-        PENDING = "pending"
-        RUNNING = "running"
-        DONE = "done"
-        FAILED = "failed"
-        REFUSED = "refused"
+    Status = StepStatus
 
     run = models.ForeignKey(EventRun, on_delete=models.CASCADE, related_name="steps")
     phase = models.CharField(max_length=64, default="main")
@@ -121,13 +115,7 @@ class EventRunStep(models.Model):
 
 
 class EventRunResource(models.Model):
-    class Status(models.TextChoices):
-        PENDING = "pending"
-        CONFIRMED = "confirmed"
-        REVERTING = "reverting"
-        REVERTED = "reverted"
-        ORPHANED = "orphaned"
-        DRIFTED = "drifted"
+    Status = ResourceStatus
 
     # PROTECT: a run cannot be deleted while the ledger remembers anything of it;
     # deleting it would be losing track of a resource by other means.

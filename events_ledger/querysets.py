@@ -31,9 +31,19 @@ from django.db.models import (
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Greatest
 
-from .conf import ledger_settings
 from .db import Prepared, UtcNow, chunked, is_unique_violation, retrying_deadlocks, storable
-from .states import HELD, LIVE, RUN_TERMINAL, STEP_KIND, UNRESOLVED
+from .states import (
+    HELD,
+    LIVE,
+    RELEASED_UNCLEAN,
+    RUN_TERMINAL,
+    STEP_KIND,
+    UNRESOLVED,
+    CleanupStatus,
+    ResourceStatus,
+    RunStatus,
+    StepStatus,
+)
 
 if TYPE_CHECKING:
     from .models import EventRun, EventRunLog, EventRunResource
@@ -42,7 +52,6 @@ ERROR_LIMIT = 500
 #: A stamp older than any TTL: a claim stamped with it is stale at once.
 LONG_AGO = datetime(2000, 1, 1, tzinfo=UTC)
 DEFAULT_REVERT_ERROR = "the revert did not succeed and gave no reason"
-RELEASED_UNCLEAN = ("orphaned", "drifted")
 #: The resource index whose ranges hold only unresolved and live rows (see models.py).
 STATUS_INDEX = "evres_status_owner_idx"
 _UNSET: Any = object()
@@ -50,6 +59,13 @@ _UNSET: Any = object()
 
 def _pk(obj: Any) -> Any:
     return getattr(obj, "pk", obj)
+
+
+def _manager(model: Any, relation: str) -> Any:
+    """The default manager of the model at the other end of ``relation``. A queryset
+    reaches its siblings through the schema, never by importing ``models`` (which
+    imports this module for its managers)."""
+    return model._meta.get_field(relation).related_model._default_manager
 
 
 def _pks(objs: Any) -> list[Any]:
@@ -111,7 +127,7 @@ class EventRunQuerySet(models.QuerySet):
         """Move a run's status ``from_ → to``. Exactly one concurrent caller wins."""
         sources = [from_] if isinstance(from_, str) else list(from_)
         values: dict[str, Any] = {"status": to, "updated_at": UtcNow()}
-        if to == "running":
+        if to == RunStatus.RUNNING:
             values["started_at"] = UtcNow()
         if to in RUN_TERMINAL:
             values["finished_at"] = UtcNow()
@@ -127,13 +143,13 @@ class EventRunQuerySet(models.QuerySet):
         return _SET_CLEANUP_STATUS.update(self, only, run=_pk(run), status=status) == 1
 
     def _derived_cleanup_status(self, max_attempts: int, max_claims: int) -> Case:
-        from .models import EventRunResource
-
-        rows = EventRunResource.objects.filter(run=OuterRef("pk"))
+        rows = _manager(self.model, "resources").filter(run=OuterRef("pk"))
         return Case(
-            When(~Exists(rows.unresolved()), then=Value("complete")),
-            When(Exists(rows.retryable(max_attempts, max_claims)), then=Value("pending")),
-            default=Value("incomplete"),
+            When(~Exists(rows.unresolved()), then=Value(CleanupStatus.COMPLETE)),
+            When(
+                Exists(rows.retryable(max_attempts, max_claims)), then=Value(CleanupStatus.PENDING)
+            ),
+            default=Value(CleanupStatus.INCOMPLETE),
         )
 
     def lock(self, runs: Iterable[Any]) -> list[Any]:
@@ -201,10 +217,10 @@ class EventRunQuerySet(models.QuerySet):
         it updates (error 1093), and the derived value is still decided by the UPDATE.
         """
         derived = self._derived_cleanup_status(max_attempts, max_claims)
-        rows = self.model._meta.get_field("resources").related_model._default_manager
+        rows = _manager(self.model, "resources")
         contradicted = (
             self.terminal()
-            .filter(cleanup_status__in=("pending", "incomplete"))
+            .filter(cleanup_status__in=(CleanupStatus.PENDING, CleanupStatus.INCOMPLETE))
             .alias(derived=derived)
             .exclude(cleanup_status=F("derived"))
             .values_list("pk", flat=True)
@@ -212,7 +228,7 @@ class EventRunQuerySet(models.QuerySet):
         forgotten = (
             self.terminal()
             .filter(
-                cleanup_status__in=("complete", "not_required"),
+                cleanup_status__in=(CleanupStatus.COMPLETE, CleanupStatus.NOT_REQUIRED),
                 pk__in=_runs_of(rows.filter(status__in=UNRESOLVED)),
             )
             .values_list("pk", flat=True)
@@ -235,10 +251,9 @@ class EventRunQuerySet(models.QuerySet):
 
     def with_unresolved_count(self) -> EventRunQuerySet:
         """Annotate each run with its unresolved row count, in the same query."""
-        from .models import EventRunResource
-
         counts = (
-            EventRunResource.objects.filter(run=OuterRef("pk"), status__in=UNRESOLVED)
+            _manager(self.model, "resources")
+            .filter(run=OuterRef("pk"), status__in=UNRESOLVED)
             .order_by()
             .values("run")
             .annotate(n=Count("pk"))
@@ -250,6 +265,39 @@ class EventRunQuerySet(models.QuerySet):
             )
         )
 
+    # ── R11 ──
+
+    def needing_cleanup(
+        self,
+        limit: int,
+        max_attempts: int,
+        max_claims: int | None = None,
+        step_ttl: timedelta | None = None,
+    ) -> list[EventRun]:
+        """Terminal runs with a row the sweep will still try, by id.
+
+        ``not_required`` is in the list because a run whose only row is a lease may
+        never have been marked dirty; the attempt bound is there so a run whose rows
+        are spent is not picked up on every pass for ever.
+        """
+        owing = _manager(self.model, "resources").retryable(max_attempts, max_claims)
+        runs = self.terminal().filter(
+            cleanup_status__in=(CleanupStatus.PENDING, CleanupStatus.NOT_REQUIRED),
+            pk__in=_runs_of(owing),
+        )
+        if step_ttl is None:
+            return list(runs.order_by("pk")[:limit])
+        # Runs with something to give back now come first; a run whose only retryable
+        # rows wait for a step in flight fills what is left of the batch (it is worked
+        # to report what it waits for). Taking it first on every pass would starve the
+        # runs behind it once a batch's worth of steps hang.
+        steps = _manager(self.model, "steps")
+        ready = owing.exclude(Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id"))))
+        # An IN of the ready rows' runs, not a correlated EXISTS per run: MariaDB planned
+        # that as a read of every step.
+        first = ExpressionWrapper(Q(pk__in=_runs_of(ready)), output_field=BooleanField())
+        return list(runs.alias(ready=first).order_by(F("ready").desc(), "pk")[:limit])
+
 
 # ── steps ─────────────────────────────────────────────────────────────────────
 
@@ -258,13 +306,13 @@ def _claim(
     base: Any, ttl: timedelta, *, step: int, token: str, by: str, attempts: int | None = None
 ) -> tuple[Any, dict[str, Any]]:
     qs = base.filter(pk=step).filter(
-        Q(status="pending") | Q(status="running", claimed_at__lt=UtcNow() - ttl)
+        Q(status=StepStatus.PENDING) | Q(status=StepStatus.RUNNING, claimed_at__lt=UtcNow() - ttl)
     )
     if attempts is not None:
         qs = qs.filter(attempts=attempts)
     # claim_token and claimed_at change on every claim: matched == changed.
     return qs, {
-        "status": "running",
+        "status": StepStatus.RUNNING,
         "claim_token": token,
         "claimed_at": UtcNow(),
         "claimed_by": by,
@@ -280,7 +328,7 @@ _ATTEMPTS = Prepared(
 )
 _SETTLE = Prepared(
     lambda base, *, step, token, status, error: (
-        base.filter(pk=step, claim_token=token, status="running"),
+        base.filter(pk=step, claim_token=token, status=StepStatus.RUNNING),
         {"status": status, "updated_at": UtcNow(), "last_error": error},
     ),
     step=int,
@@ -334,7 +382,7 @@ class EventRunStepQuerySet(models.QuerySet):
     def claim(
         self,
         step: Any,
-        ttl: timedelta | None = None,
+        ttl: timedelta,
         by: str | None = None,
         *,
         attempts: int | None = None,
@@ -352,7 +400,6 @@ class EventRunStepQuerySet(models.QuerySet):
         since the caller read it (another claim came and went), which the caller tells
         apart by reading the count again.
         """
-        ttl = ttl or ledger_settings.STEP_CLAIM_TTL
         token = new_token()
         if attempts is None:
             won = _CLAIM.update(self, ttl, step=_pk(step), token=token, by=by)
@@ -370,13 +417,13 @@ class EventRunStepQuerySet(models.QuerySet):
         """Re-stamp the claims of calls that still run, so nobody takes them for dead."""
         if not tokens:
             return 0
-        return self.filter(claim_token__in=list(tokens), status="running").update(
+        return self.filter(claim_token__in=list(tokens), status=StepStatus.RUNNING).update(
             claimed_at=UtcNow()
         )
 
     def in_flight(self, ttl: timedelta) -> EventRunStepQuerySet:
         """Steps a call of which may still change the world: claimed, claim fresh."""
-        return self.filter(status="running", claimed_at__gte=UtcNow() - ttl)
+        return self.filter(status=StepStatus.RUNNING, claimed_at__gte=UtcNow() - ttl)
 
     def settle(self, step: Any, token: str, status: str, error: str | None = None) -> bool:
         """Write a step's outcome, only while the caller's claim is still the current one.
@@ -446,7 +493,7 @@ _LIVE_PLACEHOLDER = Prepared(
 _RESOLVE_PLACEHOLDER = Prepared(
     lambda base, *, row: (
         base.filter(pk=row, kind=STEP_KIND, status__in=LIVE),
-        {"status": "reverted", "last_error": None, "updated_at": UtcNow()},
+        {"status": ResourceStatus.REVERTED, "last_error": None, "updated_at": UtcNow()},
     ),
     row=int,
 )
@@ -471,7 +518,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         return qs
 
     def _stale_claim(self, ttl: timedelta) -> Q:
-        return Q(status="reverting", updated_at__lt=UtcNow() - ttl)
+        return Q(status=ResourceStatus.REVERTING, updated_at__lt=UtcNow() - ttl)
 
     # ── R1 ──
 
@@ -503,7 +550,7 @@ class EventRunResourceQuerySet(models.QuerySet):
                 payload=payload,
                 lease_until=lease_until,
                 member_key=member_key,
-                status="pending",
+                status=ResourceStatus.PENDING,
             )
             return row.pk
 
@@ -533,9 +580,9 @@ class EventRunResourceQuerySet(models.QuerySet):
         Hand-written rather than ``bulk_create()``: compiling fifty model instances costs
         more than the round trip itself. MySQL's ``INSERT IGNORE`` would also turn other
         errors (a too-long value) into warnings, which is safe only because
-        ``ledger.normalise`` has refused every such value before this is called.
+        ``envelopes.normalise`` has refused every such value before this is called.
         """
-        return self._insert_ignoring_held(run, step, owner, rows, "confirmed")[0]
+        return self._insert_ignoring_held(run, step, owner, rows, ResourceStatus.CONFIRMED)[0]
 
     def reserve_placeholder(
         self, run: Any, step: Any, owner: str, key: str, payload: Mapping[str, Any]
@@ -544,7 +591,11 @@ class EventRunResourceQuerySet(models.QuerySet):
         share the step's first transaction): a ``pending`` row keyed by the step's
         idempotency key, or the one this step's earlier attempt wrote. Answers its id."""
         inserted, new_id = self._insert_ignoring_held(
-            run, step, owner, [{"kind": STEP_KIND, "ref": key, "payload": payload}], "pending"
+            run,
+            step,
+            owner,
+            [{"kind": STEP_KIND, "ref": key, "payload": payload}],
+            ResourceStatus.PENDING,
         )
         if inserted:
             return new_id
@@ -587,7 +638,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         # itself (whole numbers, a fixed status); only the module's values are escaped.
         run_id, step_id = int(_pk(run)), (None if step is None else int(_pk(step)))
         fixed = f"{run_id}, {'NULL' if step_id is None else step_id}"
-        assert status in ("pending", "confirmed")
+        assert status in (ResourceStatus.PENDING, ResourceStatus.CONFIRMED)
         values = []
         for row in rows:
             payload = row.get("payload")
@@ -675,14 +726,14 @@ class EventRunResourceQuerySet(models.QuerySet):
     ) -> bool:
         """``pending → confirmed`` only, setting only the fields given. A late answer can
         never un-revert a row."""
-        values: dict[str, Any] = {"status": "confirmed", "updated_at": UtcNow()}
+        values: dict[str, Any] = {"status": ResourceStatus.CONFIRMED, "updated_at": UtcNow()}
         if payload is not _UNSET:
             values["payload"] = payload
         if lease_until is not _UNSET:
             values["lease_until"] = lease_until
         if member_key is not _UNSET:
             values["member_key"] = member_key
-        return self.filter(pk=_pk(pk), status="pending").update(**values) == 1
+        return self.filter(pk=_pk(pk), status=ResourceStatus.PENDING).update(**values) == 1
 
     def set_payload(self, pk: Any, payload: Any, *, only_status: str) -> bool:
         """Write a row's payload while it is still in ``only_status`` (a lease's baseline,
@@ -743,12 +794,12 @@ class EventRunResourceQuerySet(models.QuerySet):
 
     # ── R5 claims ──
 
-    def claim_revert(self, pk: Any, ttl: timedelta | None = None) -> str | None:
+    def claim_revert(self, pk: Any, ttl: timedelta) -> str | None:
         """Claim one row for a revert; answers the claim's token, or None if lost.
 
         Compare-and-set: ``pending|confirmed|orphaned|drifted → reverting``, or a
-        ``reverting`` row whose claim is older than ``REVERT_CLAIM_TTL`` (its process
-        died). Exactly one of many concurrent claimers wins. The claim re-stamps
+        ``reverting`` row whose claim is older than ``ttl`` (``REVERT_CLAIM_TTL``: its
+        process died). Exactly one of many concurrent claimers wins. The claim re-stamps
         ``updated_at`` and writes a new token: MySQL counts *matched* rows, and a
         stale row that did not change would match for a second claimer too.
         Reclaiming does not count a revert attempt (a crash is not a failure).
@@ -759,7 +810,7 @@ class EventRunResourceQuerySet(models.QuerySet):
     def claim_group(
         self,
         pks: Iterable[Any],
-        ttl: timedelta | None = None,
+        ttl: timedelta,
         *,
         released: bool = True,
         step_ttl: timedelta | None = None,
@@ -789,9 +840,8 @@ class EventRunResourceQuerySet(models.QuerySet):
             for o in (pks if isinstance(pks, (list, tuple)) else [])
             if isinstance(o, self.model)
         }
-        ttl = ttl or ledger_settings.REVERT_CLAIM_TTL
         values = {
-            "status": "reverting",
+            "status": ResourceStatus.REVERTING,
             "claim_token": token,
             "claim_count": F("claim_count") + 1,
             "updated_at": UtcNow(),
@@ -829,7 +879,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         """Make the caller's own claims stale at once (its process knows their verdicts
         were never written), so the next claimer need not wait out the TTL. Only rows
         still under those claims move; a claim taken over since is someone else's."""
-        return self.filter(claim_token__in=list(tokens), status="reverting").update(
+        return self.filter(claim_token__in=list(tokens), status=ResourceStatus.REVERTING).update(
             updated_at=LONG_AGO
         )
 
@@ -838,7 +888,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         pass was asked to stop first): stale at once, and the claim not counted, since
         no call was made that could have killed or hung the sweeper."""
         return sum(
-            self.filter(pk__in=part, claim_token=token, status="reverting").update(
+            self.filter(pk__in=part, claim_token=token, status=ResourceStatus.REVERTING).update(
                 updated_at=LONG_AGO, claim_count=Greatest(F("claim_count") - 1, Value(0))
             )
             for part in chunked(_pks(pks))
@@ -852,13 +902,13 @@ class EventRunResourceQuerySet(models.QuerySet):
             pk
             for part in chunked(_pks(pks))
             for pk in self.filter(pk__in=part, claim_token=token)
-            .exclude(status="reverting")
+            .exclude(status=ResourceStatus.REVERTING)
             .values_list("pk", flat=True)
         }
 
     def _won(self, token: str, known: dict[Any, EventRunResource]) -> list[EventRunResource]:
         won = list(
-            self.filter(claim_token=token, status="reverting")
+            self.filter(claim_token=token, status=ResourceStatus.REVERTING)
             .order_by("pk")
             .values_list("pk", "claim_count", "updated_at")
         )
@@ -869,7 +919,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         for pk, claim_count, updated_at in won:
             row = known[pk]
             row.status, row.claim_token, row.claim_count, row.updated_at = (
-                "reverting",
+                ResourceStatus.REVERTING,
                 token,
                 claim_count,
                 updated_at,
@@ -901,7 +951,7 @@ class EventRunResourceQuerySet(models.QuerySet):
     def _claimed(self, pks: Any, token: str | None) -> list[EventRunResourceQuerySet]:
         out = []
         for part in chunked(_pks(pks)):
-            qs = self.filter(pk__in=part, status="reverting")
+            qs = self.filter(pk__in=part, status=ResourceStatus.REVERTING)
             out.append(qs if token is None else qs.filter(claim_token=token))
         return out
 
@@ -909,7 +959,9 @@ class EventRunResourceQuerySet(models.QuerySet):
         """The revert worked: ``reverting → reverted`` (terminal; releases the target,
         clears the error). With ``token``, only while that claim is the current one."""
         return sum(
-            qs.update(status="reverted", last_error=None, claim_count=0, updated_at=UtcNow())
+            qs.update(
+                status=ResourceStatus.REVERTED, last_error=None, claim_count=0, updated_at=UtcNow()
+            )
             for qs in self._claimed(pks, token)
         )
 
@@ -917,31 +969,35 @@ class EventRunResourceQuerySet(models.QuerySet):
         self,
         pks: Any,
         error: object,
-        restore_to: str = "confirmed",
+        restore_to: str = ResourceStatus.CONFIRMED,
         token: str | None = None,
         *,
         spent_claims: bool = False,
-        spend_all: bool = False,
+        spend_to: int | None = None,
     ) -> int:
         """The revert did not work: back to ``restore_to`` with the error (cut to 500).
 
         ``revert_attempts`` is incremented here and nowhere else, and no sweep resets
         it: a reclaim that reset it made the attempt bound unreachable. With
         ``spent_claims`` the claim counter is kept, marking a poison row as spent; with
-        ``spend_all`` (an answer that says retrying is pointless) the attempt counter
-        jumps to the bound, so the run is reported ``incomplete`` now, not after
-        ``MAX_REVERT_ATTEMPTS`` identical failures.
+        ``spend_to`` (an answer that says retrying is pointless; the caller passes the
+        attempt bound) the attempt counter jumps to it, so the run is reported
+        ``incomplete`` now, not after that many identical failures.
         """
-        if restore_to not in ("confirmed", "drifted", "orphaned"):
+        if restore_to not in (
+            ResourceStatus.CONFIRMED,
+            ResourceStatus.DRIFTED,
+            ResourceStatus.ORPHANED,
+        ):
             raise ValueError(
                 f"restore_to must be confirmed, drifted or orphaned, not {restore_to!r}"
             )
         values: dict[str, Any] = {
             "status": restore_to,
             "revert_attempts": (
-                Greatest(F("revert_attempts") + 1, Value(ledger_settings.MAX_REVERT_ATTEMPTS))
-                if spend_all
-                else F("revert_attempts") + 1
+                F("revert_attempts") + 1
+                if spend_to is None
+                else Greatest(F("revert_attempts") + 1, Value(spend_to))
             ),
             "last_error": cut_error(error),
             "updated_at": UtcNow(),
@@ -960,7 +1016,9 @@ class EventRunResourceQuerySet(models.QuerySet):
             .update(
                 revert_attempts=0,
                 claim_count=0,
-                updated_at=Case(When(status="reverting", then=F("updated_at")), default=UtcNow()),
+                updated_at=Case(
+                    When(status=ResourceStatus.REVERTING, then=F("updated_at")), default=UtcNow()
+                ),
             )
         )
 
@@ -980,57 +1038,22 @@ class EventRunResourceQuerySet(models.QuerySet):
         )
         return sorted({owner for _, owner in pairs})
 
-    def mark_orphaned(self, pks: Any, detail: object = None, ttl: timedelta | None = None) -> int:
+    def mark_orphaned(self, pks: Any, detail: object = None, *, ttl: timedelta) -> int:
         """Nobody gave it back, it is just gone: ``pending|confirmed → orphaned``, or a
         ``reverting`` row whose claim is stale (its sweeper died). Only reconcile says
         this; a revert that finds nothing is a success. A row under a live revert claim
         is never orphaned: its sweeper's verdict would then be fenced out and a row that
         was given back would read as lost."""
-        ttl = ttl or ledger_settings.REVERT_CLAIM_TTL
         return sum(
             self.filter(pk__in=part)
             .filter(Q(status__in=LIVE) | self._stale_claim(ttl))
             .update(
-                status="orphaned",
+                status=ResourceStatus.ORPHANED,
                 last_error=None if detail is None else cut_error(detail),
                 updated_at=UtcNow(),
             )
             for part in chunked(_pks(pks))
         )
-
-    # ── R11 ──
-
-    def runs_needing_cleanup(
-        self,
-        limit: int,
-        max_attempts: int,
-        max_claims: int | None = None,
-        step_ttl: timedelta | None = None,
-    ) -> list[EventRun]:
-        """Terminal runs with a row the sweep will still try, by id.
-
-        ``not_required`` is in the list because a run whose only row is a lease may
-        never have been marked dirty; the attempt bound is there so a run whose rows
-        are spent is not picked up on every pass for ever.
-        """
-        from .models import EventRun
-
-        owing = self.retryable(max_attempts, max_claims)
-        runs = EventRun.objects.terminal().filter(
-            cleanup_status__in=("pending", "not_required"), pk__in=_runs_of(owing)
-        )
-        if step_ttl is None:
-            return list(runs.order_by("pk")[:limit])
-        # Runs with something to give back now come first; a run whose only retryable
-        # rows wait for a step in flight fills what is left of the batch (it is worked
-        # to report what it waits for). Taking it first on every pass would starve the
-        # runs behind it once a batch's worth of steps hang.
-        steps = self.model._meta.get_field("step").related_model._default_manager
-        ready = owing.exclude(Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id"))))
-        # An IN of the ready rows' runs, not a correlated EXISTS per run: MariaDB planned
-        # that as a read of every step.
-        first = ExpressionWrapper(Q(pk__in=_runs_of(ready)), output_field=BooleanField())
-        return list(runs.alias(ready=first).order_by(F("ready").desc(), "pk")[:limit])
 
 
 class EventRunLogManager(models.Manager["EventRunLog"]):

@@ -8,6 +8,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from .conf import ledger_settings
+
 logger = logging.getLogger("events_ledger")
 
 #: What the ledger does with an action's effects. ``none``: nothing to undo; ``self``:
@@ -25,6 +27,15 @@ class AlreadyRegistered(Exception):
 
 class NotRegistered(Exception):
     """No action or lease has that id."""
+
+
+def budget_seconds(budget_ms: int | None) -> float:
+    """A module's budget in seconds; one that sets none (``None`` or 0) gets
+    ``DEFAULT_REVERT_BUDGET``, whatever the call: a deadline of 0 would time out
+    every call at once."""
+    if budget_ms:
+        return budget_ms / 1000
+    return ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds()
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,11 @@ class Action:
     budget_ms: int = 10_000
     description: str = ""
 
+    @property
+    def budget_s(self) -> float:
+        """The deadline of each call of ``perform``, ``revert`` and ``reconcile``."""
+        return budget_seconds(self.budget_ms)
+
 
 @dataclass(frozen=True)
 class Lease:
@@ -64,6 +80,11 @@ class Lease:
     restore: Callable[..., Any] | None = None
     budget_ms: int | None = None
     description: str = ""
+
+    @property
+    def budget_s(self) -> float:
+        """The deadline of each call of ``read``, ``apply`` and ``restore``."""
+        return budget_seconds(self.budget_ms)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from django.dispatch import Signal
 
 from .logcontext import log_context
 from .models import EventRun, EventRunResource, EventRunStep
+from .states import CleanupStatus, ResourceStatus
 
 logger = logging.getLogger("events_ledger")
 
@@ -123,12 +124,12 @@ def cleanup_done(runs: Sequence[EventRun], summaries: dict[int, Any], lanes: Ite
         settled.cleanup_status = summary.cleanup_status
         _send(cleanup_worked, EventRun, run=settled, summary=summary)
         if summary.drifted and run.pk in drifted:
-            rows = Res.filter(pk__in=drifted[run.pk], status="drifted")
+            rows = Res.filter(pk__in=drifted[run.pk], status=ResourceStatus.DRIFTED)
             _send(lease_drifted, EventRun, run=settled, resources=rows)
-        if summary.cleanup_status == "incomplete":
+        if summary.cleanup_status == CleanupStatus.INCOMPLETE:
             rows = Res.filter(run=run.pk).unresolved()
             _send(cleanup_incomplete, EventRun, run=settled, resources=rows, summary=summary)
-        elif summary.cleanup_status == "complete":
+        elif summary.cleanup_status == CleanupStatus.COMPLETE:
             rows = Res.filter(run=run.pk)
             _send(cleanup_complete, EventRun, run=settled, resources=rows, summary=summary)
 
@@ -137,7 +138,11 @@ def cleanup_done(runs: Sequence[EventRun], summaries: dict[int, Any], lanes: Ite
 def summaries_repaired(repaired: Sequence[tuple[int, str]]) -> None:
     """After the sweep's repair re-derived summaries: the runs it made complete or
     incomplete (one query for the runs, only when somebody listens)."""
-    changed = [(pk, status) for pk, status in repaired if status in ("complete", "incomplete")]
+    changed = [
+        (pk, status)
+        for pk, status in repaired
+        if status in (CleanupStatus.COMPLETE, CleanupStatus.INCOMPLETE)
+    ]
     if not changed or not (
         cleanup_complete.has_listeners(EventRun) or cleanup_incomplete.has_listeners(EventRun)
     ):
@@ -147,7 +152,7 @@ def summaries_repaired(repaired: Sequence[tuple[int, str]]) -> None:
         run = runs.get(pk)
         if run is None:
             continue
-        if status == "incomplete":
+        if status == CleanupStatus.INCOMPLETE:
             rows = Res.filter(run=pk).unresolved()
             _send(cleanup_incomplete, EventRun, run=run, resources=rows, summary=None)
         else:

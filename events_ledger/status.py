@@ -20,7 +20,7 @@ from django.utils import timezone
 from .conf import ledger_settings
 from .db import UtcNow
 from .models import EventRun, EventRunResource, EventRunStep
-from .states import UNRESOLVED
+from .states import UNRESOLVED, CleanupStatus, ResourceStatus, StepStatus
 
 #: Rows of each list a detailed snapshot carries (the dashboard, the command).
 DETAIL_LIMIT = 10
@@ -80,7 +80,7 @@ class LedgerStatus:
 
     @property
     def incomplete_runs(self) -> int:
-        return self.runs_by_cleanup_status.get("incomplete", 0)
+        return self.runs_by_cleanup_status.get(CleanupStatus.INCOMPLETE, 0)
 
     @property
     def unresolved(self) -> int:
@@ -210,7 +210,7 @@ def snapshot(*, details: bool = False) -> LedgerStatus:
             stale=row["stale"],
             oldest=row["oldest"],
         )
-        for row in EventRunStep.objects.filter(status="running")
+        for row in EventRunStep.objects.filter(status=StepStatus.RUNNING)
         .order_by()
         .values("action_id")
         .annotate(
@@ -244,7 +244,9 @@ def naming_incomplete(status: LedgerStatus) -> LedgerStatus:
     """The snapshot with its first incomplete runs (one more query, only when some are)."""
     if not status.incomplete_runs:
         return status
-    runs = EventRun.objects.filter(cleanup_status="incomplete").order_by("pk")[:DETAIL_LIMIT]
+    runs = EventRun.objects.filter(cleanup_status=CleanupStatus.INCOMPLETE).order_by("pk")[
+        :DETAIL_LIMIT
+    ]
     return replace(status, incomplete=list(runs))
 
 
@@ -260,10 +262,13 @@ def _oldest_unresolved() -> list[EventRunResource]:
 def _modules() -> list[ModuleRows]:
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
-    stale_claim = Q(status="reverting", updated_at__lt=UtcNow() - ledger_settings.REVERT_CLAIM_TTL)
+    stale_claim = Q(
+        status=ResourceStatus.REVERTING,
+        updated_at__lt=UtcNow() - ledger_settings.REVERT_CLAIM_TTL,
+    )
     poison = (
-        (~Q(status="reverting") & Q(claim_count__gte=1))
-        | Q(status="reverting", claim_count__gte=2)
+        (~Q(status=ResourceStatus.REVERTING) & Q(claim_count__gte=1))
+        | Q(status=ResourceStatus.REVERTING, claim_count__gte=2)
         | stale_claim
     )
     spent = Q(revert_attempts__gte=max_attempts) | Q(claim_count__gte=max_claims)

@@ -27,9 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .conf import ledger_settings
 from .deadline import CallResult, call_with_deadline
-from .envelopes import classify_revert, describe, is_success
+from .envelopes import classify_revert, describe, is_success, normalise, read_reconcile
 from .registry import Action, Lease, NotRegistered, default_registry, split_lease_ref
 
 __all__ = [
@@ -43,7 +42,7 @@ __all__ = [
 # ── the promises, by stable name ──
 
 #: ``perform`` answers ``{"ok": True, "resources": [{"kind", "ref"}, ...]}``, each entry one
-#: the ledger accepts (``events_ledger.ledger.normalise``).
+#: the ledger accepts (``events_ledger.envelopes.normalise``).
 PERFORM_ANSWERS_ENVELOPE = "perform_answers_envelope"
 #: A second ``perform`` with the same key makes nothing new and answers what the first
 #: made: the ledger retries a step with its key after a lost answer, and records only the
@@ -197,10 +196,6 @@ def _new_key() -> str:
     return uuid.uuid4().hex
 
 
-def _default_budget() -> float:
-    return float(ledger_settings.DEFAULT_REVERT_BUDGET.total_seconds())
-
-
 # ── actions ──
 
 
@@ -236,8 +231,7 @@ def check_action(
         )
     if not callable(act.perform):
         raise ValueError(f"{act.id} declares no perform(): there is nothing to check")
-    budget = (act.budget_ms or 0) / 1000 or _default_budget()
-    checker = _Checker(f"action {act.id}", ACTION_PROMISES, budget)
+    checker = _Checker(f"action {act.id}", ACTION_PROMISES, act.budget_s)
     _ActionCheck(act, dict(params or {}), exists, missing, run_id, checker).run()
     return checker.report()
 
@@ -353,8 +347,6 @@ class _ActionCheck:
     # ── promises ──
 
     def perform_answers_envelope(self) -> str:
-        from .ledger import normalise
-
         call = self.perform(self.key)
         self.perform_timed_out = call.timed_out
         answer = _answer(call)
@@ -388,24 +380,12 @@ class _ActionCheck:
     def reconcile_answers_envelope(self) -> str:
         if not callable(self.action.reconcile):
             return "declares no reconcile: the ledger reads that as 'unanswered' and leaves its rows alone"
-        answer = _answer(self.reconcile(self.made or self.missing_resources()))
-        in_force = answer.get("in_force") if isinstance(answer, dict) else None
-        if (
-            not isinstance(answer, dict)
-            or answer.get("ok") is not True
-            or not isinstance(in_force, list)
-        ):
-            raise _Broken(
-                f'reconcile answered {describe(answer)}, not {{"ok": true, "in_force": [refs]}}'
-            )
-        bad = [ref for ref in in_force if isinstance(ref, bool) or not isinstance(ref, (str, int))]
-        if bad:
-            raise _Broken(
-                f"reconcile listed {describe(bad)} in in_force: each entry must be a ref "
-                "(a string), as the ledger compares it with its rows' refs"
-            )
-        self.in_force = {str(ref) for ref in in_force}
-        return f"answered the envelope, {len(in_force)} ref(s) in force"
+        # The very reading reconcile_resources applies (C4).
+        answer = read_reconcile(self.reconcile(self.made or self.missing_resources()), "reconcile")
+        if answer.in_force is None:
+            raise _Broken(answer.error or "reconcile did not answer")
+        self.in_force = set(answer.in_force)
+        return f"answered the envelope, {len(answer.in_force)} ref(s) in force"
 
     def reconcile_lists(self) -> str:
         if not self.made:
@@ -582,16 +562,13 @@ class _ActionCheck:
                 "that lists what is in force"
             )
             return answered, False
-        answer = self.reconcile(made).value
-        in_force = answer.get("in_force") if isinstance(answer, dict) else None
-        if not (
-            isinstance(answer, dict) and answer.get("ok") is True and isinstance(in_force, list)
-        ):
+        answer = read_reconcile(self.reconcile(made), "reconcile")
+        if answer.in_force is None:
             self.c.skipped[name] = (
                 "whether it gave anything back: reconcile did not answer the envelope"
             )
             return answered, False
-        still = [ref for ref in refs if ref in {str(x) for x in in_force}]
+        still = [ref for ref in refs if ref in answer.in_force]
         if still:
             raise _Broken(
                 f"{answered}, but reconcile still lists what {whose} made: {describe(still)}"
@@ -609,8 +586,6 @@ def _unique(resources: list[Resource]) -> list[Resource]:
 
 def _reported(answer: Any, action_id: str) -> list[Resource]:
     """What an answer reports that the ledger would accept, in the revert shape."""
-    from .ledger import normalise
-
     entries = answer.get("resources") if isinstance(answer, dict) else None
     out = []
     for entry in entries if isinstance(entries, list) else []:
@@ -656,9 +631,8 @@ def check_lease(
         raise ValueError(
             "value and move_to must differ: the drift check needs somebody else's value"
         )
-    budget = (found.budget_ms or 0) / 1000 or _default_budget()
     subject = f"lease {found.id}" + (f"#{target}" if target is not None else "")
-    checker = _Checker(subject, LEASE_PROMISES, budget)
+    checker = _Checker(subject, LEASE_PROMISES, found.budget_s)
     _LeaseCheck(found, target, value, move_to, run_id, checker).run()
     return checker.report()
 

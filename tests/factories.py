@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import factory
 
-from events_ledger.models import EventRun, EventRunResource, EventRunStep
+from events_ledger.models import EventRun, EventRunLog, EventRunResource, EventRunStep
 
 
 class RunFactory(factory.django.DjangoModelFactory):
@@ -37,3 +37,12 @@ class ResourceFactory(factory.django.DjangoModelFactory):
     kind = "thing"
     ref = factory.Sequence(lambda n: f"ref-{n}")
     status = EventRunResource.Status.CONFIRMED
+
+
+class LogFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = EventRunLog
+
+    run = factory.SubFactory(RunFactory)
+    kind = "test.entry"
+    detail = factory.LazyFunction(dict)

@@ -6,7 +6,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from events_ledger.models import EventRun, EventRunResource, EventRunStep
@@ -16,13 +16,18 @@ PATIENCE_S = 120
 
 
 def new_run(name: str = "run", status: str = "running", **kw: Any) -> EventRun:
-    return EventRun.objects.create(name=name, status=status, **kw)
+    """A run as a host makes one (no scope unless given), built by the factory."""
+    from tests.factories import RunFactory
+
+    return RunFactory(name=name, status=status, scope=kw.pop("scope", ""), **kw)
 
 
 def new_step(
     run: EventRun, action_id: str, params: dict[str, Any] | None = None, seq: int = 0
 ) -> EventRunStep:
-    return EventRunStep.objects.create(run=run, action_id=action_id, params=params or {}, seq=seq)
+    from tests.factories import StepFactory
+
+    return StepFactory(run=run, action_id=action_id, params=params or {}, seq=seq)
 
 
 def spawn_step(run: EventRun, region: str = "north", count: int = 3, seq: int = 0) -> EventRunStep:
@@ -207,3 +212,17 @@ class LiveRowSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(PATIENCE_S)
+
+
+def step_ttl() -> timedelta:
+    """The step claim TTL the services pass to the querysets (which read no setting)."""
+    from events_ledger.conf import ledger_settings
+
+    return ledger_settings.STEP_CLAIM_TTL
+
+
+def revert_ttl() -> timedelta:
+    """The revert claim TTL the services pass to the querysets (which read no setting)."""
+    from events_ledger.conf import ledger_settings
+
+    return ledger_settings.REVERT_CLAIM_TTL

@@ -152,8 +152,9 @@ def task_claim(
     from datetime import timedelta
 
     from events_ledger.models import EventRunResource
+    from tests.helpers import revert_ttl
 
-    ttl = timedelta(seconds=ttl_s) if ttl_s else None
+    ttl = timedelta(seconds=ttl_s) if ttl_s else revert_ttl()
     random.Random(seed).shuffle(ids)
     won: list[int] = []
     tokens: dict[str, str] = {}
@@ -237,6 +238,7 @@ def task_cleanup_killed_at(run_id: int, point: str) -> dict[str, Any]:
 def task_reserve_release(run_id: int, refs: list[str], seed: int, rounds: int) -> dict[str, Any]:
     """Reserve and release the same targets as fast as possible, against other processes."""
     from events_ledger.models import EventRunResource
+    from tests.helpers import revert_ttl
 
     rows = EventRunResource.objects
     rng = random.Random(seed)
@@ -250,7 +252,7 @@ def task_reserve_release(run_id: int, refs: list[str], seed: int, rounds: int) -
                     out["held"] += 1
                     continue
                 out["reserved"] += 1
-                token = rows.claim_revert(answer.id)
+                token = rows.claim_revert(answer.id, revert_ttl())
                 if token is not None:
                     rows.mark_reverted([answer.id], token=token)
             except Exception as exc:  # the test asserts none escapes

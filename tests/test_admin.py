@@ -20,8 +20,8 @@ from events_ledger.ledger import execute_step
 from events_ledger.models import EventRun, EventRunLog, EventRunResource
 from project.world.models import Creature
 from tests.conftest import age_rows
-from tests.factories import ResourceFactory, RunFactory, StepFactory
-from tests.helpers import new_run, spawn_step
+from tests.factories import LogFactory, ResourceFactory, RunFactory, StepFactory
+from tests.helpers import new_run, spawn_step, step_ttl
 
 Res = EventRunResource.objects
 world_db = pytest.mark.django_db(transaction=True)
@@ -160,8 +160,8 @@ def test_run_page_shows_steps_ledger_and_log_newest_first(admin_client):  # S3, 
     claimed = ResourceFactory(run=run, step=step, status="reverting", ref="0xclaimed")
     ResourceFactory(run=run, step=step, status="confirmed", ref="0xidle", last_error="locked")
     now = timezone.now()
-    EventRunLog.objects.create(run=run, kind="older.entry", created_at=now - timedelta(minutes=5))
-    EventRunLog.objects.create(run=run, kind="newer.entry", created_at=now)
+    LogFactory(run=run, kind="older.entry", created_at=now - timedelta(minutes=5))
+    LogFactory(run=run, kind="newer.entry", created_at=now)
     html = admin_client.get(run_url(run)).content.decode()
     assert step.idempotency_key in html and "world.spawn" in html
     assert "0xclaimed" in html and "0xidle" in html and "locked" in html
@@ -257,7 +257,7 @@ def test_why_is_this_stuck_names_the_step_in_flight(admin_client):  # S3, the in
 
     run = RunFactory(status="cancelled", cleanup_status="pending")
     step = StepFactory(run=run, action_id="world.spawn")
-    EventRunStep.objects.claim(step, by="worker-7:4242")
+    EventRunStep.objects.claim(step, step_ttl(), by="worker-7:4242")
     row = ResourceFactory(
         run=run,
         step=step,

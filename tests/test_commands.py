@@ -15,7 +15,7 @@ from django.core.management import CommandError, call_command
 from events_ledger.ledger import execute_step
 from events_ledger.models import EventRun, EventRunLog, EventRunResource
 from project.world.models import Call, Creature
-from tests.helpers import new_run, spawn_step
+from tests.helpers import new_run, spawn_step, step_ttl
 from tests.processes import ROOT, child_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -271,7 +271,7 @@ def test_dry_run_and_json_name_the_step_cleanup_waits_for(world):  # S1, the inv
 
     run = new_run()
     step = spawn_step(run)
-    EventRunStep.objects.claim(step, by="worker-3:777")
+    EventRunStep.objects.claim(step, step_ttl(), by="worker-3:777")
     reserve_step(run, step, default_registry.action("world.spawn"))
     EventRun.objects.transition(run, "cancelled", from_="running")
     code, out, _ = command("cleanup_runs", "--dry-run")

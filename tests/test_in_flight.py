@@ -24,7 +24,7 @@ from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from project.world import world as w
 from project.world.models import Call, Creature, RegionSetting
-from tests.helpers import PATIENCE_S, Gate, in_thread, new_run, new_step, wait_until
+from tests.helpers import PATIENCE_S, Gate, in_thread, new_run, new_step, revert_ttl, wait_until
 from tests.processes import CHILD, spawn
 
 Res = EventRunResource.objects
@@ -514,7 +514,7 @@ def test_reconcile_never_orphans_a_row_under_a_live_revert_claim(isolated_regist
     def reconcile(*, run_id: int, resources: list[dict[str, Any]]) -> Any:
         # While the module is being asked, a sweeper claims the rows for a revert.
         rows = list(Res.filter(run_id=run_id, kind="thing"))
-        claims.append(Res.claim_group(rows))
+        claims.append(Res.claim_group(rows, revert_ttl()))
         connections.close_all()
         return {"ok": True, "in_force": []}
 

@@ -43,7 +43,8 @@ from hypothesis.stateful import (
 from events_ledger import Action
 from events_ledger.cleanup import RunNotTerminal, cleanup_run, sweep
 from events_ledger.conf import ledger_settings
-from events_ledger.ledger import MAX_REF, execute_step
+from events_ledger.envelopes import MAX_REF
+from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from project.world import world as w
 from project.world.models import Call, Creature

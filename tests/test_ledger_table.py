@@ -11,6 +11,7 @@ from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResou
 from events_ledger.querysets import Holder
 from tests.conftest import age_rows
 from tests.factories import ResourceFactory, RunFactory, StepFactory
+from tests.helpers import revert_ttl
 
 pytestmark = pytest.mark.django_db
 
@@ -192,9 +193,9 @@ def test_reads():  # R4
 
 def test_claim_is_a_compare_and_set_with_one_winner():  # R5
     row = ResourceFactory(status="confirmed")
-    token = Res.claim_revert(row.pk)
+    token = Res.claim_revert(row.pk, revert_ttl())
     assert token
-    assert Res.claim_revert(row.pk) is None
+    assert Res.claim_revert(row.pk, revert_ttl()) is None
     row.refresh_from_db()
     assert (row.status, row.claim_token, row.claim_count) == ("reverting", token, 1)
 
@@ -202,18 +203,18 @@ def test_claim_is_a_compare_and_set_with_one_winner():  # R5
 @pytest.mark.parametrize("status", ["pending", "confirmed", "orphaned", "drifted"])
 def test_claim_takes_every_unresolved_status(status):  # R5
     row = ResourceFactory(status=status)
-    assert Res.claim_revert(row.pk)
+    assert Res.claim_revert(row.pk, revert_ttl())
 
 
 @pytest.mark.parametrize("status", ["reverted"])
 def test_claim_never_takes_a_reverted_row(status):  # R5
     row = ResourceFactory(status=status)
-    assert Res.claim_revert(row.pk) is None
+    assert Res.claim_revert(row.pk, revert_ttl()) is None
 
 
 def test_stale_claim_is_reclaimed_without_spending_an_attempt():  # R5
     row = ResourceFactory(status="confirmed", revert_attempts=1)
-    first = Res.claim_revert(row.pk)
+    first = Res.claim_revert(row.pk, revert_ttl())
     ttl = timedelta(hours=1)
     # Fresh, by the database's UTC clock: not reclaimable. The MariaDB rig runs its
     # server at +05:00, so a clock mixed with the session zone fails one of these.
@@ -229,21 +230,21 @@ def test_stale_claim_is_reclaimed_without_spending_an_attempt():  # R5
 
 def test_claim_ttl_comes_from_settings(settings):  # R5, S4
     row = ResourceFactory(status="confirmed")
-    Res.claim_revert(row.pk)
+    Res.claim_revert(row.pk, revert_ttl())
     age_rows(EventRunResource, [row.pk], seconds=90)
     settings.EVENTS_LEDGER = {"REVERT_CLAIM_TTL": timedelta(minutes=2)}
-    assert Res.claim_revert(row.pk) is None
+    assert Res.claim_revert(row.pk, revert_ttl()) is None
     settings.EVENTS_LEDGER = {"REVERT_CLAIM_TTL": timedelta(minutes=1)}
-    assert Res.claim_revert(row.pk)
+    assert Res.claim_revert(row.pk, revert_ttl())
 
 
 def test_claim_of_a_released_row_whose_target_is_held_again_is_no_claim():  # R5, collision
     mine, theirs = RunFactory(), RunFactory()
     released = ResourceFactory(run=mine, ref="t", status="orphaned")
     ResourceFactory(run=theirs, ref="t", status="confirmed")
-    assert Res.claim_revert(released.pk) is None  # no IntegrityError escapes
+    assert Res.claim_revert(released.pk, revert_ttl()) is None  # no IntegrityError escapes
     fresh = ResourceFactory(run=mine, status="confirmed")
-    claim = Res.claim_group([released.pk, fresh.pk])
+    claim = Res.claim_group([released.pk, fresh.pk], revert_ttl())
     assert claim.ids == [fresh.pk]
     assert claim.collided == [released.pk]
     assert Res.get(pk=released.pk).status == "orphaned"
@@ -259,7 +260,7 @@ def test_group_claim_costs_the_same_statements_for_5_and_50_rows():  # R5, group
         run = RunFactory()
         rows = [ResourceFactory(run=run) for _ in range(n)]
         with _queries() as q:
-            claim = Res.claim_group([r.pk for r in rows])
+            claim = Res.claim_group([r.pk for r in rows], revert_ttl())
         assert len(claim.rows) == n
         return len(q)
 
@@ -268,7 +269,7 @@ def test_group_claim_costs_the_same_statements_for_5_and_50_rows():  # R5, group
 
 def test_stale_claimant_cannot_overwrite_the_new_claimants_verdict():  # R5, fenced verdicts
     row = ResourceFactory(status="confirmed")
-    old = Res.claim_revert(row.pk)
+    old = Res.claim_revert(row.pk, revert_ttl())
     age_rows(EventRunResource, [row.pk], seconds=3600)
     new = Res.claim_revert(row.pk, ttl=timedelta(minutes=1))
     assert Res.fail_revert(row.pk, "late", token=old) == 0
@@ -283,18 +284,18 @@ def test_stale_claimant_cannot_overwrite_the_new_claimants_verdict():  # R5, fen
 def test_mark_reverted_is_terminal_clears_the_error_and_releases_the_target():  # R6
     run = RunFactory()
     row = ResourceFactory(run=run, ref="t", status="confirmed", last_error="x")
-    token = Res.claim_revert(row.pk)
+    token = Res.claim_revert(row.pk, revert_ttl())
     assert Res.mark_reverted(row.pk, token=token) == 1
     row.refresh_from_db()
     assert (row.status, row.last_error, row.live_marker) == ("reverted", None, None)
-    assert Res.claim_revert(row.pk) is None
+    assert Res.claim_revert(row.pk, revert_ttl()) is None
     assert reserve(RunFactory(), ref="t").ok
 
 
 @pytest.mark.parametrize("restore_to", ["confirmed", "drifted", "orphaned"])
 def test_fail_revert_counts_an_attempt_and_keeps_the_error(restore_to):  # R7
     row = ResourceFactory(status="confirmed")
-    token = Res.claim_revert(row.pk)
+    token = Res.claim_revert(row.pk, revert_ttl())
     assert Res.fail_revert(row.pk, "x" * 900, restore_to, token=token) == 1
     row.refresh_from_db()
     assert (row.status, row.revert_attempts, row.last_error) == (restore_to, 1, "x" * 500)
@@ -302,17 +303,17 @@ def test_fail_revert_counts_an_attempt_and_keeps_the_error(restore_to):  # R7
 
 def test_fail_revert_with_no_error_says_so():  # R7
     row = ResourceFactory(status="confirmed")
-    Res.fail_revert(row.pk, "", token=Res.claim_revert(row.pk))
+    Res.fail_revert(row.pk, "", token=Res.claim_revert(row.pk, revert_ttl()))
     assert Res.get(pk=row.pk).last_error
 
 
 def test_revert_attempts_change_only_in_fail_revert():  # R7, R5
     row = ResourceFactory(status="confirmed")
     for _ in range(3):
-        Res.claim_revert(row.pk)
+        Res.claim_revert(row.pk, revert_ttl())
         age_rows(EventRunResource, [row.pk], seconds=3600)
     assert Res.get(pk=row.pk).revert_attempts == 0
-    Res.claim_revert(row.pk)
+    Res.claim_revert(row.pk, revert_ttl())
     Res.mark_reverted(row.pk)
     assert Res.get(pk=row.pk).revert_attempts == 0
 
@@ -338,7 +339,7 @@ def test_reset_attempts_zeroes_unresolved_rows_only():  # R8
 
 def test_reset_attempts_keeps_a_claims_stamp():  # R8, R5
     row = ResourceFactory(status="confirmed", revert_attempts=1)
-    Res.claim_revert(row.pk)
+    Res.claim_revert(row.pk, revert_ttl())
     age_rows(EventRunResource, [row.pk], seconds=3600)
     stamp = Res.get(pk=row.pk).updated_at
     Res.reset_attempts(row.run)
@@ -372,7 +373,7 @@ def test_live_for_module_and_modules_with_live_rows():  # R9
 )
 def test_mark_orphaned_only_from_live_or_a_dead_claim(status, moves):  # R10
     row = ResourceFactory(status=status)
-    assert Res.mark_orphaned(row.pk, "gone") == int(moves)
+    assert Res.mark_orphaned(row.pk, "gone", ttl=revert_ttl()) == int(moves)
     row.refresh_from_db()
     assert row.status == ("orphaned" if moves else status)
     assert (row.last_error == "gone") == moves
@@ -407,9 +408,9 @@ def test_cleanup_scan():  # R11
     run_with("completed", "complete")
     run_with("completed", "pending", "reverted")
     run_with("completed", "pending", attempts=3)  # spent
-    found = Res.runs_needing_cleanup(limit=10, max_attempts=3)
+    found = EventRun.objects.needing_cleanup(limit=10, max_attempts=3)
     assert found == picked
-    assert Res.runs_needing_cleanup(limit=2, max_attempts=3) == picked[:2]
+    assert EventRun.objects.needing_cleanup(limit=2, max_attempts=3) == picked[:2]
 
 
 # ── run transitions, log ──

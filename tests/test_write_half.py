@@ -12,17 +12,17 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from events_ledger import Action, registry
+from events_ledger.envelopes import normalise
 from events_ledger.ledger import (
     execute_step,
     mark_run_dirty,
-    normalise,
     record_answer,
     reserve_step,
 )
 from events_ledger.models import STEP_KIND, EventRunLog, EventRunResource, EventRunStep
 from project.world.models import Creature, RegionSetting
 from tests.factories import ResourceFactory
-from tests.helpers import lease_step, new_run, new_step, spawn_step
+from tests.helpers import lease_step, new_run, new_step, spawn_step, step_ttl
 
 Res = EventRunResource.objects
 LEDGER = Action(
@@ -411,7 +411,7 @@ def test_a_perform_that_raises_is_a_failed_attempt(world, isolated_registry, set
 def test_a_claimed_step_is_not_run_twice(world):  # W5
     run = new_run()
     step = spawn_step(run)
-    assert EventRunStep.objects.claim(step)
+    assert EventRunStep.objects.claim(step, step_ttl())
     assert execute_step(step).outcome == "busy"
     assert Creature.objects.count() == 0
 
@@ -420,7 +420,7 @@ def test_a_claimed_step_is_not_run_twice(world):  # W5
 def test_a_stale_step_claim_is_taken_over(world):  # W5
     run = new_run()
     step = spawn_step(run)
-    EventRunStep.objects.claim(step)
+    EventRunStep.objects.claim(step, step_ttl())
     from events_ledger.db import UtcNow
 
     EventRunStep.objects.filter(pk=step.pk).update(claimed_at=UtcNow() - timedelta(hours=1))
@@ -594,7 +594,7 @@ def test_a_claim_between_the_read_and_the_claim_is_counted(
 
     def read_then_another_worker_claims(self, pk):
         found = read(self, pk)
-        token = EventRunStep.objects.claim(pk)
+        token = EventRunStep.objects.claim(pk, step_ttl())
         assert EventRunStep.objects.settle(pk, token, "pending", "that worker's retry")
         return found
 

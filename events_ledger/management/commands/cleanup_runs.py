@@ -17,7 +17,7 @@ from events_ledger.cleanup import CleanupSummary, RunNotTerminal, cleanup_run, p
 from events_ledger.conf import ledger_settings
 from events_ledger.diagnosis import plan_lines
 from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
-from events_ledger.models import EventRun, EventRunResource
+from events_ledger.models import EventRun
 
 logger = logging.getLogger("events_ledger")
 
@@ -209,7 +209,7 @@ class Command(LedgerCommand):
         if run is not None:
             runs = [run]
         else:
-            runs = EventRunResource.objects.runs_needing_cleanup(
+            runs = EventRun.objects.needing_cleanup(
                 ledger_settings.CLEANUP_RUN_BATCH,
                 ledger_settings.MAX_REVERT_ATTEMPTS,
                 ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
