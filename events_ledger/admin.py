@@ -27,7 +27,7 @@ from .dashboard import run_timeline
 from .diagnosis import claim_stamp, diagnose
 from .models import EventRun, EventRunResource
 from .querysets import EventRunQuerySet, EventRunResourceQuerySet
-from .states import UNRESOLVED
+from .states import UNRESOLVED, CleanupStatus, ResourceStatus
 
 logger = logging.getLogger("events_ledger")
 
@@ -175,14 +175,17 @@ class EventRunAdmin(LedgerAdmin):
         if obj is not None:
             rows = list(Res.for_run(obj)[:PAGE_LIMIT])
             log = list(obj.log.order_by("-created_at", "-pk")[:PAGE_LIMIT])
-            incomplete = obj.cleanup_status == "incomplete"
+            incomplete = obj.cleanup_status == CleanupStatus.INCOMPLETE
             steps = list(obj.steps.all())
             total = Res.filter(run=obj).count()
             context.update(
                 steps=steps,
                 # #15: the same steps and rows, drawn on one time axis.
                 timeline=run_timeline(obj, steps, rows, total_rows=total),
-                ledger=[(r, when(claim_stamp(r)) if r.status == "reverting" else "") for r in rows],
+                ledger=[
+                    (r, when(claim_stamp(r)) if r.status == ResourceStatus.REVERTING else "")
+                    for r in rows
+                ],
                 ledger_total=total,
                 log=[(e, as_json(e.detail)) for e in log],
                 stuck=list(Res.unresolved_for_run(obj)) if incomplete else [],

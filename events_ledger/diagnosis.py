@@ -12,7 +12,7 @@ from django.utils.translation import gettext_noop
 from .cleanup import Group, plan_run
 from .conf import ledger_settings
 from .models import EventRunResource
-from .states import UNRESOLVED
+from .states import UNRESOLVED, ResourceStatus
 
 #: Said under a call by key: the step's answer may be on the ledger only in part.
 BY_KEY_NOTE = gettext_noop(
@@ -57,7 +57,7 @@ def plan_lines(groups: list[Group]) -> list[str]:
 
 def claim_stamp(row: EventRunResource) -> datetime | None:
     # A `reverting` row's updated_at is its claim's stamp (R5 re-stamps on every claim).
-    return row.updated_at if row.status == "reverting" else None
+    return row.updated_at if row.status == ResourceStatus.REVERTING else None
 
 
 def find_group(row: EventRunResource) -> tuple[Group | None, list[Group]]:
