@@ -36,6 +36,9 @@ _EXPORTS = {
     "snapshot": "status",
     "LedgerStatus": "status",
     "log_context": "logcontext",
+    # #14: running a run
+    "run_steps": "runner",
+    "RunReport": "runner",
 }
 
 

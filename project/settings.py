@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from importlib.util import find_spec
 from pathlib import Path
 
 import environ
@@ -128,5 +129,42 @@ LOGGING = {
             "handlers": ["console"],
             "level": env("LEDGER_LOG_LEVEL", default="WARNING"),
         }
+    },
+}
+
+# #14: the task queues, each wired only when its package is installed (the app itself
+# needs neither). Django Tasks: Django 6's own, or the django-tasks backport on 5.2.
+# The immediate backend by default; LEDGER_TASKS_BACKEND names another (the tests'
+# workers use django_tasks_db.DatabaseBackend: workers over the database, no broker).
+_TASKS_PACKAGE = "django.tasks" if find_spec("django.tasks") else "django_tasks"
+_HAS_TASKS = _TASKS_PACKAGE == "django.tasks" or bool(find_spec("django_tasks"))
+if _TASKS_PACKAGE == "django_tasks" and _HAS_TASKS:
+    INSTALLED_APPS.append("django_tasks")
+if _HAS_TASKS and find_spec("django_tasks_db"):
+    INSTALLED_APPS.append("django_tasks_db")
+TASKS = {
+    "default": {
+        "BACKEND": env(
+            "LEDGER_TASKS_BACKEND", default=f"{_TASKS_PACKAGE}.backends.immediate.ImmediateBackend"
+        )
+    }
+}
+
+# #14: Celery (project/celery.py), over Redis: the rig's (REDIS_URL) in the tests.
+CELERY_BROKER_URL = env("REDIS_URL", default="redis://127.0.0.1:6379/0")
+CELERY_RESULT_BACKEND = CELERY_BROKER_URL
+# With the ledger's tasks acknowledged late, a worker holds only the message it runs: a
+# prefetched run would wait behind a long step, and go back to the queue if it died.
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_SERIALIZER = CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+# The sweep as a periodic task (`celery -A project beat`), instead of cron. Passes that
+# overlap are safe; `expires` drops a pass still queued when the next is due.
+_SWEEP_EVERY_S = env.float("LEDGER_SWEEP_EVERY_S", default=60.0)
+CELERY_BEAT_SCHEDULE = {
+    "events-ledger-sweep": {
+        "task": "events_ledger.sweep",
+        "schedule": _SWEEP_EVERY_S,
+        "options": {"expires": _SWEEP_EVERY_S},
     },
 }

@@ -21,13 +21,18 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the table's SQL", {"querysets"}),
     ("the table", {"models"}),
     ("around the table", {"signals", "inflight", "status"}),
-    ("services", {"ledger", "cleanup"}),
-    ("what services mean", {"diagnosis", "testing", "dashboard", "metrics", "health"}),
+    ("services", {"ledger", "cleanup", "runner"}),
+    (
+        "what services mean",
+        {"diagnosis", "testing", "dashboard", "metrics", "health", "jobs"},
+    ),
     (
         "surfaces",
         {
             "checks",
             "admin",
+            "tasks",
+            "celery",
             "views",
             "templatetags.events_ledger_dashboard",
             "management.base",

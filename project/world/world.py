@@ -19,6 +19,8 @@ SWITCHES = {
     "spawn.hang_after": "spawn, then hang for ever before answering",
     "spawn.raise": "raise before doing anything",
     "spawn.garbage": "answer something that is not an envelope",
+    "spawn.trace": "write a Call when a spawn begins and ends (its key, its pid): who overlapped",
+    "spawn.wait": "spawn, then wait while this switch is on (a Call says so), then answer",
     "despawn.fail": "answer {ok: false} (value: how many times; true: always)",
     "despawn.hang": "hang for ever",
     "despawn.die": "kill the process that asked (SIGKILL), as a crashing sweeper host would",
@@ -65,6 +67,9 @@ def _hang() -> None:
 
 def spawn(*, run_id: int, params: dict[str, Any], idempotency_key: str) -> Any:
     """Spawn ``count`` creatures of ``kind`` in ``region``. Idempotent by key."""
+    traced = _fault("spawn.trace")
+    if traced:
+        _trace("perform", idempotency_key)
     if _fault("spawn.raise"):
         raise RuntimeError("the spawner crashed")
     if _fault("spawn.hang"):
@@ -86,9 +91,22 @@ def spawn(*, run_id: int, params: dict[str, Any], idempotency_key: str) -> Any:
                 )
     if _fault("spawn.hang_after"):
         _hang()
+    if Switch.objects.filter(name="spawn.wait").exists():
+        # In the middle of a perform, the world changed and no answer given: where a test
+        # kills the process that asked.
+        _trace("perform.waiting", idempotency_key)
+        deadline = time.monotonic() + 120
+        while Switch.objects.filter(name="spawn.wait").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
     if _fault("spawn.lose_answer"):
         raise AnswerLost("connection reset before the answer arrived")
+    if traced:
+        _trace("performed", idempotency_key)
     return {"ok": True, "resources": [{"kind": "creature", "ref": c.serial} for c in existing]}
+
+
+def _trace(verb: str, idempotency_key: str) -> None:
+    Call.objects.create(verb=verb, idempotency_key=idempotency_key, pid=os.getpid())
 
 
 def despawn(*, run_id: int, resources: list[dict[str, Any]], idempotency_key: str) -> Any:

@@ -1,0 +1,93 @@
+"""The work a task queue does for the ledger, as plain functions answering JSON.
+
+``events_ledger.tasks`` (Django Tasks) and ``events_ledger.celery`` (Celery) wrap these
+and nothing else, so the two queues do exactly the same work. Arguments and answers are
+ids, strings and JSON mappings: a broker carries no model instance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any
+
+from django.db import close_old_connections
+
+#: Times a run whose step another call holds is sent again, before it is left to the host
+#: (it stays ``running``; the health check reports it once its rows grow old).
+BUSY_RETRIES = 100
+
+
+def busy_retry_delay() -> float:
+    """Seconds before a ``busy`` run is tried again: a quarter of ``STEP_CLAIM_TTL``
+    (between 1 s and a minute). A claim held by a dead worker goes stale after the TTL,
+    so a few tries per TTL find it soon after, and none hammer it before."""
+    from .conf import ledger_settings
+
+    ttl = ledger_settings.STEP_CLAIM_TTL
+    return min(max(ttl / 4, timedelta(seconds=1)), timedelta(minutes=1)).total_seconds()
+
+
+def _fresh_connection() -> None:
+    # A worker lives for days between tasks: a connection the server closed meanwhile
+    # ("server has gone away") is dropped here instead of failing the task's first query.
+    close_old_connections()
+
+
+def execute_one_step(step_id: int) -> dict[str, Any]:
+    """W5 through ``execute_step``: one step, answered as ``StepResult`` reads."""
+    from .ledger import execute_step
+
+    _fresh_connection()
+    try:
+        return asdict(execute_step(int(step_id)))
+    finally:
+        _fresh_connection()
+
+
+def run_run(run_id: int, on_refused: str = "fail") -> dict[str, Any]:
+    """A run's steps in order, then its end (``runner.run_steps``)."""
+    from .runner import ON_REFUSED, run_steps
+
+    if on_refused not in ON_REFUSED:
+        raise ValueError(f"on_refused must be one of {ON_REFUSED}, not {on_refused!r}")
+    _fresh_connection()
+    try:
+        report = run_steps(int(run_id), on_refused=on_refused)  # type: ignore[arg-type]
+    finally:
+        _fresh_connection()
+    out = asdict(report)
+    out["finished"] = report.finished
+    return out
+
+
+def sweep_once(limit: int | None = None) -> dict[str, Any]:
+    """C5: one sweep pass, summed up (the cron's leg, run by a periodic task)."""
+    from .cleanup import sweep
+
+    _fresh_connection()
+    try:
+        report = sweep(limit)
+    finally:
+        _fresh_connection()
+    return {
+        "runs": len(report.runs),
+        "reverted": sum(s.reverted for s in report.runs),
+        "remaining": sum(s.remaining for s in report.runs),
+        "errors": {str(k): v for k, v in report.errors.items()},
+        "repaired": report.repaired,
+        "incomplete": report.incomplete,
+    }
+
+
+def reconcile_once(owner: str | None = None, force: bool = False) -> dict[str, Any]:
+    """C6: one module (``owner``), or every module with live rows."""
+    from .cleanup import reconcile_all, reconcile_module
+
+    _fresh_connection()
+    try:
+        if owner:
+            return {owner: reconcile_module(owner, force=force).as_dict()}
+        return {name: s.as_dict() for name, s in reconcile_all(force=force).items()}
+    finally:
+        _fresh_connection()

@@ -1,0 +1,153 @@
+"""Running a run: its steps in ``(phase, seq)`` order through ``execute_step``, then its end."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .db import storable_json
+from .ledger import StepResult, execute_step
+from .models import EventRun, EventRunLog, EventRunStep
+from .states import RUN_TERMINAL, RunStatus, StepStatus
+
+logger = logging.getLogger("events_ledger")
+
+#: What a step refused (a lease held by another run) means for its run.
+#: ``fail``: the run fails (the default: the run was written to hold that value, and
+#: going on without it would act on a world it does not own); ``skip``: the step is left
+#: refused and the run goes on with the next one; ``stop``: the run stays ``running``
+#: and the driver answers, so the host can wait for the holder and run it again.
+OnRefused = Literal["fail", "skip", "stop"]
+ON_REFUSED: tuple[str, ...] = ("fail", "skip", "stop")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    step_id: int
+    outcome: str
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What ``run_steps`` did to one run.
+
+    ``outcome``: ``completed`` or ``failed`` (the driver moved the run there);
+    ``ended`` (the run was or became terminal by someone else, e.g. cancelled:
+    ``status`` says which); ``refused`` (``on_refused="stop"``: the run stays
+    ``running``); ``busy`` (another call of a step holds it, or a call outlived its
+    deadline and still runs: the run stays ``running``; run it again later).
+    """
+
+    run_id: int
+    outcome: str
+    status: str
+    steps: tuple[StepOutcome, ...] = field(default_factory=tuple)
+    error: str | None = None
+    holder_run_id: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Nothing more for a driver to do: the run is terminal."""
+        return self.status in RUN_TERMINAL
+
+
+def run_steps(run: EventRun | int, *, on_refused: OnRefused = "fail") -> RunReport:
+    """Execute a run's unsettled steps in ``(phase, seq, id)`` order, one at a time, and
+    end the run: ``completed`` when every step is done, ``failed`` when one failed for
+    good (or was refused, by default).
+
+    Calls ``execute_step`` and nothing else of the write half, so every rule of a step
+    holds (its claim, its placeholder, its attempt bound). A step answered ``retry`` is
+    executed again at once: ``execute_step`` counts its attempts and fails it for good
+    at ``MAX_STEP_ATTEMPTS``, so the loop ends. Every change of the run's status is one
+    conditional UPDATE (``EventRun.objects.transition``): a run cancelled meanwhile
+    stays cancelled, and is answered ``ended``. Safe to call twice at once for one run
+    (a task delivered twice): the second finds the step claimed and answers ``busy``.
+    """
+    if on_refused not in ON_REFUSED:
+        raise ValueError(f"on_refused must be one of {ON_REFUSED}, not {on_refused!r}")
+    run_id: int = run.pk if isinstance(run, EventRun) else int(run)
+    # pending → running; already running (a driver run again) is fine, terminal is not.
+    EventRun.objects.transition(run_id, RunStatus.RUNNING, from_=RunStatus.PENDING)
+    done: list[StepOutcome] = []
+    while True:
+        status = _status(run_id)
+        if status != RunStatus.RUNNING:
+            return RunReport(run_id, "ended", status, tuple(done))
+        step = _next_step(run_id, skip_refused=on_refused == "skip")
+        if step is None:
+            return _end(run_id, RunStatus.COMPLETED, done)
+        if step.status == StepStatus.FAILED:  # settled by an earlier driver, or execute_step
+            return _end(run_id, RunStatus.FAILED, done, step.last_error)
+        if step.status == StepStatus.REFUSED and on_refused != "skip":
+            result = StepResult("refused", error=step.last_error)
+        else:
+            result = execute_step(step.pk)
+            done.append(StepOutcome(step.pk, result.outcome, result.error))
+        if result.outcome in ("done", "retry"):
+            continue  # the next step, or this one again (attempt-bounded by execute_step)
+        if result.outcome in ("busy", "overdue"):
+            return RunReport(run_id, "busy", _status(run_id), tuple(done), result.error)
+        if result.outcome == "refused":
+            if on_refused == "skip":
+                continue
+            if on_refused == "stop":
+                return RunReport(
+                    run_id,
+                    "refused",
+                    _status(run_id),
+                    tuple(done),
+                    result.error,
+                    result.holder_run_id,
+                )
+            ended = _end(run_id, RunStatus.FAILED, done, result.error, result.holder_run_id)
+            return RunReport(
+                run_id, ended.outcome, ended.status, ended.steps, ended.error, result.holder_run_id
+            )
+        return _end(run_id, RunStatus.FAILED, done, result.error)
+
+
+def _status(run_id: int) -> str:
+    status = EventRun.objects.filter(pk=run_id).values_list("status", flat=True).first()
+    if status is None:
+        raise EventRun.DoesNotExist(f"there is no run {run_id}")
+    return status
+
+
+def _next_step(run_id: int, *, skip_refused: bool) -> EventRunStep | None:
+    """The first step of the run, in order, that is not done (nor refused, when refused
+    steps are skipped)."""
+    skipped = [StepStatus.DONE, StepStatus.REFUSED] if skip_refused else [StepStatus.DONE]
+    return (
+        EventRunStep.objects.filter(run_id=run_id)
+        .exclude(status__in=skipped)
+        .order_by("phase", "seq", "id")
+        .only("pk", "status", "last_error")
+        .first()
+    )
+
+
+def _end(
+    run_id: int,
+    to: RunStatus,
+    done: list[StepOutcome],
+    error: str | None = None,
+    holder_run_id: int | None = None,
+) -> RunReport:
+    # One conditional UPDATE: running → to. Lost when someone else ended it first
+    # (cancelled while its last step ran): their status stands.
+    if EventRun.objects.transition(run_id, to, from_=RunStatus.RUNNING):
+        if to == RunStatus.FAILED:
+            logger.warning("run %s failed: %s", run_id, error)
+        # The run's page says who ended it and why (C7's habit, for the write half's end).
+        detail = {"by": "run_steps", "error": error, "holder_run_id": holder_run_id}
+        try:
+            EventRunLog.objects.write(
+                run_id, f"run.{to.value}", storable_json({k: v for k, v in detail.items() if v})
+            )
+        except Exception:  # the run has ended; its log line must not make that an error
+            logger.exception("run %s: writing its log entry failed", run_id)
+        return RunReport(run_id, to.value, to.value, tuple(done), error)
+    return RunReport(run_id, "ended", _status(run_id), tuple(done), error)
