@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-try:
-    __version__ = version("django-events-ledger")
-except PackageNotFoundError:  # running from a checkout
-    __version__ = "0.1.0.dev0"
+#: The one version number: pyproject.toml reads it from here (``[tool.setuptools.dynamic]``),
+#: so the built package's metadata and a checkout say the same.
+__version__ = "0.1.0"
 
 _EXPORTS = {
     "Action": "registry",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
@@ -19,13 +18,16 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.formats import date_format
 from django.utils.html import format_html
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
 
-from .cleanup import Group, RunNotTerminal, cleanup_run, plan_run, reconcile_module
+from .cleanup import RunNotTerminal, cleanup_run, plan_run, reconcile_module
 from .conf import ledger_settings
 from .dashboard import run_timeline
+from .diagnosis import claim_stamp, diagnose
 from .models import EventRun, EventRunResource
 from .querysets import EventRunQuerySet, EventRunResourceQuerySet
-from .states import UNRESOLVED
+from .states import UNRESOLVED, CleanupStatus, ResourceStatus
 
 logger = logging.getLogger("events_ledger")
 
@@ -36,7 +38,7 @@ PAGE_LIMIT = 500
 
 
 def pill(value: str) -> str:
-    # Coloured by status in events_ledger/admin/style.html, as the templates' pills are.
+    # Coloured by status in static/events_ledger/admin/console.css, as the templates' pills are.
     return format_html('<span class="el-pill el-s-{}">{}</span>', value, value.replace("_", " "))
 
 
@@ -63,65 +65,14 @@ def as_json(value: Any, indent: int | None = None) -> str:
     )
 
 
-def claim_stamp(row: EventRunResource) -> datetime | None:
-    # A `reverting` row's updated_at is its claim's stamp (R5 re-stamps on every claim).
-    return row.updated_at if row.status == "reverting" else None
-
-
-def find_group(row: EventRunResource) -> tuple[Group | None, list[Group]]:
-    """The group of the human retry's plan (`cleanup_runs --dry-run`) holding this row."""
-    plan = plan_run(row.run_id, reset_attempts=True)
-    return next((g for g in plan if any(r.pk == row.pk for r in g.rows)), None), plan
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """The answer to "why is this stuck?" for one ledger row."""
-
-    row: EventRunResource
-    unresolved: bool
-    claim_stale: bool
-    call: str | None
-    problem: str | None
-    note: str
-
-
-def diagnose(row: EventRunResource) -> Diagnosis:
-    unresolved = row.status in UNRESOLVED
-    group, plan = find_group(row) if unresolved else (None, [])
-    since = claim_stamp(row)
-    stale = since is not None and timezone.now() - since > ledger_settings.REVERT_CLAIM_TTL
-    if not unresolved:
-        note = f"Nothing: this row is {row.status}, its target is released."
-    elif group is None:
-        note = (
-            f"Not in the next retry: a pass calls at most {len(plan)} groups "
-            "(CLEANUP_GROUPS_PER_RUN); it comes in a later one."
-        )
-    elif group.waiting_for:
-        w = group.waiting_for
-        note = (
-            f"Its step {w['step']} ({w['action']}) is in flight on "
-            f"{w['claimed_by'] or 'an unknown host'} since {w['claimed_at']} UTC: a call of it "
-            "may still change the world, so cleanup waits until the call ends (or until its "
-            "claim goes stale, STEP_CLAIM_TTL after that process stopped stamping it)."
-        )
-    elif not row.run.is_terminal:
-        note = f"The run is still {row.run.status}: cleanup starts when it ends. It would call:"
-    else:
-        note = "Retry cleanup of its run would reset its attempts and call:"
-    return Diagnosis(
-        row=row,
-        unresolved=unresolved,
-        claim_stale=stale,
-        call=group.call if group and not group.waiting_for else None,
-        problem=group.problem if group else None,
-        note=note,
-    )
-
-
 class LedgerAdmin(admin.ModelAdmin):
-    """Shared: permission checks for the app's own permissions (declared on EventRun)."""
+    """Shared: the console's stylesheet, and permission checks for the app's own
+    permissions (declared on EventRun)."""
+
+    class Media:
+        # Pills by status, the banner, the "why" panel, the dashboard's colours. The
+        # change list renders media.css, the change form and the retry page all media.
+        css = {"all": ["events_ledger/admin/console.css"]}
 
     def _has_app_perm(self, request: HttpRequest, codename: str) -> bool:
         return request.user.has_perm(f"{self.opts.app_label}.{codename}")
@@ -159,7 +110,6 @@ class EventRunAdmin(LedgerAdmin):
     )
     readonly_fields = ("status_pill", "cleanup_pill", "unresolved")
     change_form_template = "events_ledger/admin/eventrun_change_form.html"
-    change_list_template = "events_ledger/admin/change_list.html"
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[EventRun]:
         # S3: the count in the same query as the runs, never one query per row.
@@ -171,7 +121,7 @@ class EventRunAdmin(LedgerAdmin):
             return False
         return super().has_delete_permission(request, obj)
 
-    @admin.display(description="run", ordering="id")
+    @admin.display(description=gettext_lazy("run"), ordering="id")
     def run_name(self, run: EventRun) -> str:
         # Id and scope under the name: fewer columns, so the list fits beside its filters.
         return format_html(
@@ -182,15 +132,15 @@ class EventRunAdmin(LedgerAdmin):
             run.scope,
         )
 
-    @admin.display(description="status", ordering="status")
+    @admin.display(description=gettext_lazy("status"), ordering="status")
     def status_pill(self, run: EventRun) -> str:
         return pill(run.status)
 
-    @admin.display(description="cleanup", ordering="cleanup_status")
+    @admin.display(description=gettext_lazy("cleanup"), ordering="cleanup_status")
     def cleanup_pill(self, run: EventRun) -> str:
         return pill(run.cleanup_status)
 
-    @admin.display(description="created → finished", ordering="created_at")
+    @admin.display(description=gettext_lazy("created → finished"), ordering="created_at")
     def created(self, run: EventRun) -> str:
         # One column for both, so the list fits beside its filters at 1280 pixels.
         start, end = run.created_at, run.finished_at
@@ -201,7 +151,7 @@ class EventRunAdmin(LedgerAdmin):
             when(end, "H:i" if same_day else "Y-m-d H:i"),
         )
 
-    @admin.display(description="unresolved", ordering="unresolved_count")
+    @admin.display(description=gettext_lazy("unresolved"), ordering="unresolved_count")
     def unresolved(self, run: EventRun) -> str:
         count = getattr(run, "unresolved_count", None)
         if count is None:
@@ -225,14 +175,17 @@ class EventRunAdmin(LedgerAdmin):
         if obj is not None:
             rows = list(Res.for_run(obj)[:PAGE_LIMIT])
             log = list(obj.log.order_by("-created_at", "-pk")[:PAGE_LIMIT])
-            incomplete = obj.cleanup_status == "incomplete"
+            incomplete = obj.cleanup_status == CleanupStatus.INCOMPLETE
             steps = list(obj.steps.all())
             total = Res.filter(run=obj).count()
             context.update(
                 steps=steps,
                 # #15: the same steps and rows, drawn on one time axis.
                 timeline=run_timeline(obj, steps, rows, total_rows=total),
-                ledger=[(r, when(claim_stamp(r)) if r.status == "reverting" else "") for r in rows],
+                ledger=[
+                    (r, when(claim_stamp(r)) if r.status == ResourceStatus.REVERTING else "")
+                    for r in rows
+                ],
                 ledger_total=total,
                 log=[(e, as_json(e.detail)) for e in log],
                 stuck=list(Res.unresolved_for_run(obj)) if incomplete else [],
@@ -243,7 +196,9 @@ class EventRunAdmin(LedgerAdmin):
 
     # ── the human retry (C4 with reset_attempts) ──
 
-    @admin.action(permissions=["retry_cleanup"], description="Retry cleanup (reset attempts)")
+    @admin.action(
+        permissions=["retry_cleanup"], description=gettext_lazy("Retry cleanup (reset attempts)")
+    )
     def retry_cleanup(
         self, request: HttpRequest, queryset: QuerySet[EventRun]
     ) -> HttpResponse | None:
@@ -255,7 +210,7 @@ class EventRunAdmin(LedgerAdmin):
             return None  # back to the changelist, with the messages
         context = {
             **self.admin_site.each_context(request),
-            "title": "Retry cleanup",
+            "title": _("Retry cleanup"),
             "subtitle": None,
             "opts": self.opts,
             "runs": [
@@ -274,18 +229,29 @@ class EventRunAdmin(LedgerAdmin):
         try:
             s = cleanup_run(run, reset_attempts=True, actor=request.user.get_username())
         except RunNotTerminal as exc:
-            self.message_user(request, f"Refused: {exc}", messages.ERROR)
+            self.message_user(request, _("Refused: %(reason)s") % {"reason": exc}, messages.ERROR)
             return
         except Exception as exc:  # one run's failure must not hide the others' results
             logger.exception("retry of run %s failed", run.pk, extra={"run_id": run.pk})
-            failure = f"run {run.pk}: the retry failed: {type(exc).__name__}: {exc}"
+            failure = _("run %(id)s: the retry failed: %(error)s") % {
+                "id": run.pk,
+                "error": f"{type(exc).__name__}: {exc}",
+            }
             self.message_user(request, failure, messages.ERROR)
             return
         levels = {"complete": messages.SUCCESS, "pending": messages.WARNING}
-        text = (
-            f"run {run.pk} {run.name}: reverted {s.reverted}, drifted {s.drifted}, "
-            f"failed {s.failed}, remaining {s.remaining} → cleanup {s.cleanup_status}"
-        )
+        text = _(
+            "run %(id)s %(name)s: reverted %(reverted)d, drifted %(drifted)d, "
+            "failed %(failed)d, remaining %(remaining)d → cleanup %(status)s"
+        ) % {
+            "id": run.pk,
+            "name": run.name,
+            "reverted": s.reverted,
+            "drifted": s.drifted,
+            "failed": s.failed,
+            "remaining": s.remaining,
+            "status": s.cleanup_status,
+        }
         if s.errors:
             text += f" ({'; '.join(s.errors[:3])})"
         self.message_user(request, text, levels.get(s.cleanup_status, messages.ERROR))
@@ -328,11 +294,11 @@ class EventRunAdmin(LedgerAdmin):
 
 
 class ResolutionFilter(admin.SimpleListFilter):
-    title = "resolution"
+    title = gettext_lazy("resolution")
     parameter_name = "resolution"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("unresolved", "unresolved (stuck or owed)"), ("released", "released")]
+        return [("unresolved", _("unresolved (stuck or owed)")), ("released", _("released"))]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         if self.value() == "unresolved":
@@ -363,7 +329,6 @@ class EventRunResourceAdmin(LedgerAdmin):
     )
     readonly_fields = ("claimed_since", "payload_json")
     change_form_template = "events_ledger/admin/eventrunresource_change_form.html"
-    change_list_template = "events_ledger/admin/change_list.html"
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False  # a ledger row is never deleted by hand: that is losing a resource
@@ -371,7 +336,7 @@ class EventRunResourceAdmin(LedgerAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[EventRunResource]:
         return super().get_queryset(request).select_related("run", "step")
 
-    @admin.display(description="resource", ordering="id")
+    @admin.display(description=gettext_lazy("resource"), ordering="id")
     def resource(self, row: EventRunResource) -> str:
         return format_html(
             '<code>{}:{}</code><br><span class="el-quiet">#{} · {}</span>',
@@ -381,7 +346,7 @@ class EventRunResourceAdmin(LedgerAdmin):
             row.owner_module,
         )
 
-    @admin.display(description="run", ordering="run")
+    @admin.display(description=gettext_lazy("run"), ordering="run")
     def run_link(self, row: EventRunResource) -> str:
         url = reverse("admin:events_ledger_eventrun_change", args=[row.run_id])
         return format_html(
@@ -391,25 +356,25 @@ class EventRunResourceAdmin(LedgerAdmin):
             row.run.name,
         )
 
-    @admin.display(description="attempts", ordering="revert_attempts")
+    @admin.display(description=gettext_lazy("attempts"), ordering="revert_attempts")
     def attempts(self, row: EventRunResource) -> int:
         return row.revert_attempts
 
-    @admin.display(description="status", ordering="status")
+    @admin.display(description=gettext_lazy("status"), ordering="status")
     def status_pill(self, row: EventRunResource) -> str:
         return pill(row.status)
 
-    @admin.display(description="last error")
+    @admin.display(description=gettext_lazy("last error"))
     def error(self, row: EventRunResource) -> str:
         text = row.last_error or ""
         return text if len(text) <= 80 else text[:79] + "…"
 
-    @admin.display(description="claimed")
+    @admin.display(description=gettext_lazy("claimed"))
     def claimed_since(self, row: EventRunResource) -> str:
         stamp = claim_stamp(row)
         return when_cell(stamp) if stamp else ""
 
-    @admin.display(description="payload")
+    @admin.display(description=gettext_lazy("payload"))
     def payload_json(self, row: EventRunResource) -> str:
         return format_html('<pre class="el-json">{}</pre>', as_json(row.payload, indent=1))
 
@@ -431,7 +396,8 @@ class EventRunResourceAdmin(LedgerAdmin):
         return super().render_change_form(request, context, add, change, form_url, obj)
 
     @admin.action(
-        permissions=["reconcile_resources"], description="Reconcile the selected resources' modules"
+        permissions=["reconcile_resources"],
+        description=gettext_lazy("Reconcile the selected resources' modules"),
     )
     def reconcile(self, request: HttpRequest, queryset: QuerySet[EventRunResource]) -> None:
         """C6 for each owner module among the selection; never forced from here (the
@@ -439,12 +405,22 @@ class EventRunResourceAdmin(LedgerAdmin):
         owners = sorted(set(queryset.order_by().values_list("owner_module", flat=True).distinct()))
         for owner in owners:
             s = reconcile_module(owner)
-            text = (
-                f"{owner}: asked {s.asked}, in force {s.in_force}, orphaned {s.orphaned}, "
-                f"unanswered {s.unanswered}"
-            )
+            text = _(
+                "%(owner)s: asked %(asked)d, in force %(in_force)d, orphaned %(orphaned)d, "
+                "unanswered %(unanswered)d"
+            ) % {
+                "owner": owner,
+                "asked": s.asked,
+                "in_force": s.in_force,
+                "orphaned": s.orphaned,
+                "unanswered": s.unanswered,
+            }
             if s.held_back:
-                self.message_user(request, f"{text}. Held back: {s.reason}", messages.WARNING)
+                held = _("%(summary)s. Held back: %(reason)s") % {
+                    "summary": text,
+                    "reason": s.reason,
+                }
+                self.message_user(request, held, messages.WARNING)
             else:
                 level = messages.WARNING if s.unanswered else messages.SUCCESS
                 self.message_user(request, text, level)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from django.apps import AppConfig
+from django.utils.translation import gettext_lazy as _
 
 
 class EventsLedgerConfig(AppConfig):
     name = "events_ledger"
-    verbose_name = "Events ledger"
+    verbose_name = _("Events ledger")
     # Pinned, so a host's DEFAULT_AUTO_FIELD never makes a migration in site-packages.
     default_auto_field = "django.db.models.BigAutoField"
 

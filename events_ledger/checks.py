@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.checks import Error, Tags, Warning, register
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_noop
 
 from .conf import ledger_settings
 from .registry import REVERSIBLE_CLASSES
@@ -25,34 +27,43 @@ E009 = "events_ledger.E009"  # a metrics token without prometheus_client
 MAX_OWNER = 64
 W001 = "events_ledger.W001"  # unknown setting key
 
-HINT_REVERT = "A 'ledger' action must declare revert(*, run_id, resources, idempotency_key)."
+#: Marked here, translated where it is used (a check runs after translation is set up).
+HINT_REVERT = gettext_noop(
+    "A 'ledger' action must declare revert(*, run_id, resources, idempotency_key)."
+)
 
 
 @register(Tags.compatibility)
 def check_registrations(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     errors: list[Any] = []
     for problem in registry.problems:
-        errors.append(Error(problem, hint="Give every action and lease its own id.", id=E001))
+        errors.append(Error(problem, hint=_("Give every action and lease its own id."), id=E001))
     for action in registry.actions.values():
-        where = f"action {action.id!r}"
+        where = _("action %(id)r") % {"id": action.id}
         if action.reversible not in REVERSIBLE_CLASSES:
             errors.append(
                 Error(
-                    f"{where} has the unknown reversible class {action.reversible!r}.",
-                    hint=f"Use one of {', '.join(REVERSIBLE_CLASSES)}.",
+                    _("%(where)s has the unknown reversible class %(class)r.")
+                    % {"where": where, "class": action.reversible},
+                    hint=_("Use one of %(classes)s.") % {"classes": ", ".join(REVERSIBLE_CLASSES)},
                     id=E002,
                 )
             )
         if action.reversible == "ledger" and not callable(action.revert):
             errors.append(
-                Error(f"{where} is 'ledger' but declares no revert().", hint=HINT_REVERT, id=E003)
+                Error(
+                    _("%(where)s is 'ledger' but declares no revert().") % {"where": where},
+                    hint=_(HINT_REVERT),
+                    id=E003,
+                )
             )
         if action.owner != "core" and not callable(action.perform):
-            errors.append(Error(f"{where} declares no perform().", id=E005))
+            errors.append(Error(_("%(where)s declares no perform().") % {"where": where}, id=E005))
         if not action.owner or len(action.owner) > MAX_OWNER:
             errors.append(
                 Error(
-                    f"{where} needs an owner of 1–{MAX_OWNER} characters, not {action.owner!r}.",
+                    _("%(where)s needs an owner of 1–%(max)d characters, not %(owner)r.")
+                    % {"where": where, "max": MAX_OWNER, "owner": action.owner},
                     id=E008,
                 )
             )
@@ -60,21 +71,25 @@ def check_registrations(app_configs: Any = None, **kwargs: Any) -> list[Any]:
         if not lease.owner or len(lease.owner) > MAX_OWNER:
             errors.append(
                 Error(
-                    f"lease {lease.id!r} needs an owner of 1–{MAX_OWNER} characters, "
-                    f"not {lease.owner!r}.",
+                    _("lease %(id)r needs an owner of 1–%(max)d characters, not %(owner)r.")
+                    % {"id": lease.id, "max": MAX_OWNER, "owner": lease.owner},
                     id=E008,
                 )
             )
         if not callable(lease.restore):
             errors.append(
                 Error(
-                    f"lease {lease.id!r} declares no restore().",
-                    hint="restore(baseline, *, expected, run_id, target) puts the value back.",
+                    _("lease %(id)r declares no restore().") % {"id": lease.id},
+                    hint=_("restore(baseline, *, expected, run_id, target) puts the value back."),
                     id=E004,
                 )
             )
         if not callable(lease.read) or not callable(lease.apply):
-            errors.append(Error(f"lease {lease.id!r} must declare read() and apply().", id=E004))
+            errors.append(
+                Error(
+                    _("lease %(id)r must declare read() and apply().") % {"id": lease.id}, id=E004
+                )
+            )
     return errors + _budget_errors()
 
 
@@ -95,10 +110,15 @@ def _budget_errors() -> list[Any]:
         if budget_s >= ttl_s:
             errors.append(
                 Error(
-                    f"{what} has a budget of {budget_s:g}s, not shorter than "
-                    f"{ttl_name} ({ttl_s:g}s).",
-                    hint=f"Shorten the budget or lengthen EVENTS_LEDGER[{ttl_name!r}]: a call "
-                    "must end before the claim that covers it can be taken for dead.",
+                    _(
+                        "%(what)s has a budget of %(budget)gs, not shorter than %(ttl_name)s (%(ttl)gs)."
+                    )
+                    % {"what": what, "budget": budget_s, "ttl_name": ttl_name, "ttl": ttl_s},
+                    hint=_(
+                        "Shorten the budget or lengthen EVENTS_LEDGER[%(ttl_name)r]: a call "
+                        "must end before the claim that covers it can be taken for dead."
+                    )
+                    % {"ttl_name": ttl_name},
                     id=E007,
                 )
             )
@@ -107,12 +127,15 @@ def _budget_errors() -> list[Any]:
         too_long("DEFAULT_REVERT_BUDGET", default, revert_ttl, "REVERT_CLAIM_TTL")
     for action in registry.actions.values():
         if callable(action.perform):
-            too_long(f"action {action.id!r}", action.budget_s, step_ttl, "STEP_CLAIM_TTL")
+            where = _("action %(id)r") % {"id": action.id}
+            too_long(where, action.budget_s, step_ttl, "STEP_CLAIM_TTL")
         if callable(action.revert):
-            too_long(f"action {action.id!r}", action.budget_s, revert_ttl, "REVERT_CLAIM_TTL")
+            where = _("action %(id)r") % {"id": action.id}
+            too_long(where, action.budget_s, revert_ttl, "REVERT_CLAIM_TTL")
     for lease in registry.leases.values():
-        too_long(f"lease {lease.id!r}", lease.budget_s, step_ttl, "STEP_CLAIM_TTL")
-        too_long(f"lease {lease.id!r}", lease.budget_s, revert_ttl, "REVERT_CLAIM_TTL")
+        where = _("lease %(id)r") % {"id": lease.id}
+        too_long(where, lease.budget_s, step_ttl, "STEP_CLAIM_TTL")
+        too_long(where, lease.budget_s, revert_ttl, "REVERT_CLAIM_TTL")
     return errors
 
 
@@ -128,7 +151,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     except ImproperlyConfigured as exc:
         return [Error(str(exc), id=E006)]
     for key in unknown:
-        messages.append(Warning(f"EVENTS_LEDGER has the unknown key {key!r}.", id=W001))
+        messages.append(
+            Warning(_("EVENTS_LEDGER has the unknown key %(key)r.") % {"key": key}, id=W001)
+        )
     for key in DEFAULTS:
         try:
             getattr(ledger_settings, key)
@@ -151,8 +176,8 @@ def _feature_errors() -> list[Any]:
     if token is not None and not counters_available():
         return [
             Error(
-                "EVENTS_LEDGER['METRICS_TOKEN'] is set, but prometheus_client is not installed.",
-                hint=f"The metrics view needs it: {INSTALL_HINT}",
+                _("EVENTS_LEDGER['METRICS_TOKEN'] is set, but prometheus_client is not installed."),
+                hint=_("The metrics view needs it: %(hint)s") % {"hint": INSTALL_HINT},
                 id=E009,
             )
         ]

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
+from django.utils.translation import gettext as _
 
 DEFAULTS: dict[str, Any] = {
     # R5: a `reverting` row older than this belongs to a process that died mid-revert.
@@ -36,79 +37,111 @@ DEFAULTS: dict[str, Any] = {
     "METRICS_TOKEN": None,
 }
 
-_DURATIONS = {
-    "REVERT_CLAIM_TTL",
-    "DEFAULT_REVERT_BUDGET",
-    "STEP_CLAIM_TTL",
-    "HEALTH_MAX_UNRESOLVED_AGE",
-}
 #: A shorter bearer token is guessable; the check says so at start-up.
 MIN_TOKEN_LENGTH = 16
-_POSITIVE_INTS = {
-    "MAX_REVERT_ATTEMPTS",
-    "MAX_CLAIMS_WITHOUT_VERDICT",
-    "CLEANUP_RUN_BATCH",
-    "CLEANUP_GROUPS_PER_RUN",
-    "CLEANUP_CONCURRENCY",
-    "MAX_STEP_ATTEMPTS",
-}
+
+T = TypeVar("T")
+
+
+class _Setting(Generic[T]):
+    """One key of ``EVENTS_LEDGER``, typed: read from the settings on every access (so
+    ``override_settings`` works), its default from ``DEFAULTS``, checked by name."""
+
+    name: str
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Setting[T]: ...
+
+    @overload
+    def __get__(self, obj: LedgerSettings, owner: type) -> T: ...
+
+    def __get__(self, obj: LedgerSettings | None, owner: type) -> _Setting[T] | T:
+        if obj is None:
+            return self
+        return self.check(obj._user().get(self.name, DEFAULTS[self.name]))
+
+    def check(self, value: Any) -> T:
+        raise NotImplementedError
+
+    def wrong(self, must: str, value: Any) -> ImproperlyConfigured:
+        return ImproperlyConfigured(
+            _("EVENTS_LEDGER[%(name)r] must be %(must)s, not %(value)s.")
+            % {"name": self.name, "must": must, "value": value}
+        )
+
+
+class _Duration(_Setting[timedelta]):
+    def check(self, value: Any) -> timedelta:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            # Plain numbers are seconds, as Django's own timeouts are.
+            value = timedelta(seconds=value)
+        if not isinstance(value, timedelta) or value <= timedelta(0):
+            raise self.wrong(_("a positive timedelta or number of seconds"), repr(value))
+        return value
+
+
+class _PositiveInt(_Setting[int]):
+    def check(self, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self.wrong(_("a whole number of at least 1"), repr(value))
+        return value
+
+
+class _Fraction(_Setting[float]):
+    def check(self, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise self.wrong(_("a number from 0 to 1"), repr(value))
+        return float(value)
+
+
+class _Token(_Setting["str | None"]):
+    def check(self, value: Any) -> str | None:
+        if value is not None and (not isinstance(value, str) or len(value) < MIN_TOKEN_LENGTH):
+            # The value is a secret: say how long it is, never what it is.
+            shown = (
+                _("%(count)d characters") % {"count": len(value)}
+                if isinstance(value, str)
+                else repr(value)
+            )
+            raise self.wrong(
+                _("None or a string of at least %(min)d characters") % {"min": MIN_TOKEN_LENGTH},
+                shown,
+            )
+        return value
 
 
 class LedgerSettings:
-    """Attribute access to ``settings.EVENTS_LEDGER`` with defaults.
+    """Typed access to ``settings.EVENTS_LEDGER`` with defaults: each key is a typed
+    attribute, so a misspelled name is a type error (and an AttributeError), not ``None``.
 
     Read lazily on each access (never at import), so ``override_settings`` works and a
     wrong value is reported where it is used, by name, instead of at import time.
     """
 
+    REVERT_CLAIM_TTL = _Duration()
+    MAX_REVERT_ATTEMPTS = _PositiveInt()
+    MAX_CLAIMS_WITHOUT_VERDICT = _PositiveInt()
+    CLEANUP_RUN_BATCH = _PositiveInt()
+    CLEANUP_GROUPS_PER_RUN = _PositiveInt()
+    CLEANUP_CONCURRENCY = _PositiveInt()
+    DEFAULT_REVERT_BUDGET = _Duration()
+    MAX_STEP_ATTEMPTS = _PositiveInt()
+    STEP_CLAIM_TTL = _Duration()
+    RECONCILE_MAX_ORPHAN_FRACTION = _Fraction()
+    HEALTH_MAX_UNRESOLVED_AGE = _Duration()
+    METRICS_TOKEN = _Token()
+
     def _user(self) -> dict[str, Any]:
         value = getattr(django_settings, "EVENTS_LEDGER", None) or {}
         if not isinstance(value, dict):
-            raise ImproperlyConfigured("EVENTS_LEDGER must be a dict.")
+            raise ImproperlyConfigured(_("EVENTS_LEDGER must be a dict."))
         return value
 
     def unknown_keys(self) -> list[str]:
         return sorted(set(self._user()) - set(DEFAULTS))
-
-    def __getattr__(self, name: str) -> Any:
-        if name not in DEFAULTS:
-            raise AttributeError(name)
-        value = self._user().get(name, DEFAULTS[name])
-        return _validate(name, value)
-
-
-def _validate(name: str, value: Any) -> Any:
-    if name in _DURATIONS:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            # Plain numbers are seconds, as Django's own timeouts are.
-            value = timedelta(seconds=value)
-        if not isinstance(value, timedelta) or value <= timedelta(0):
-            raise ImproperlyConfigured(
-                f"EVENTS_LEDGER[{name!r}] must be a positive timedelta or number of seconds, "
-                f"not {value!r}."
-            )
-        return value
-    if name in _POSITIVE_INTS:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ImproperlyConfigured(
-                f"EVENTS_LEDGER[{name!r}] must be a whole number of at least 1, not {value!r}."
-            )
-        return value
-    if name == "RECONCILE_MAX_ORPHAN_FRACTION":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise ImproperlyConfigured(
-                f"EVENTS_LEDGER[{name!r}] must be a number from 0 to 1, not {value!r}."
-            )
-        return float(value)
-    if name == "METRICS_TOKEN":
-        if value is not None and (not isinstance(value, str) or len(value) < MIN_TOKEN_LENGTH):
-            shown = f"{len(value)} characters" if isinstance(value, str) else repr(value)
-            raise ImproperlyConfigured(
-                f"EVENTS_LEDGER[{name!r}] must be None or a string of at least "
-                f"{MIN_TOKEN_LENGTH} characters, not {shown}."
-            )
-        return value
-    return value
 
 
 ledger_settings = LedgerSettings()

@@ -1,17 +1,31 @@
-"""Running real OS processes against the test database."""
+"""Real OS processes against the test database, both sides of them.
+
+The parent's side (``spawn``, ``race``, ``start``, ``finish``) starts children and collects
+their answers. The child's side is ``python -m tests.processes TASK JSON``: each child
+connects, prints ``ready``, waits for a line on stdin (so all of them start together),
+does its task and prints one JSON line with what it saw.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 from django.db import connection
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The module a child runs: this one.
+CHILD = "tests.processes"
+
+
+# ── the parent's side ──
 
 
 def child_env(settings: dict[str, Any] | None = None) -> dict[str, str]:
@@ -53,7 +67,7 @@ def race(
     ``ports``: the database port of each child in turn (a cluster's nodes)."""
     procs = [
         spawn(
-            "tests.procs",
+            CHILD,
             task,
             json.dumps(args),
             settings=settings,
@@ -86,9 +100,9 @@ def race(
 def start(
     task: str, args: dict[str, Any], settings: dict[str, Any] | None = None, port: str | None = None
 ) -> subprocess.Popen[str]:
-    """One child of ``tests.procs``, started and released at once."""
+    """One child of ``python -m tests.processes``, started and released at once."""
     child = spawn(
-        "tests.procs",
+        CHILD,
         task,
         json.dumps(args),
         settings=settings,
@@ -108,3 +122,162 @@ def finish(child: subprocess.Popen[str], timeout: float = 120) -> dict[str, Any]
     out, _ = child.communicate(timeout=timeout)
     lines = (out or "").strip().splitlines()
     return json.loads(lines[-1]) if lines else {}
+
+
+# ── the child's side: its tasks ──
+
+
+def task_reserve(run_id: int, refs: list[str], seed: int) -> dict[str, Any]:
+    from events_ledger.models import EventRunResource
+
+    random.Random(seed).shuffle(refs)
+    out: dict[str, Any] = {"ok": [], "held": 0, "errors": []}
+    for ref in refs:
+        try:
+            answer = EventRunResource.objects.reserve(run_id, owner="race", kind="thing", ref=ref)
+        except Exception as exc:  # the test asserts none escapes
+            out["errors"].append(f"{type(exc).__name__}: {exc}")
+            continue
+        if answer.ok:
+            out["ok"].append(ref)
+        else:
+            assert answer.code == "held" and answer.holder is not None, answer
+            out["held"] += 1
+    return out
+
+
+def task_claim(
+    ids: list[int], seed: int, ttl_s: float | None = None, group: int = 1
+) -> dict[str, Any]:
+    from datetime import timedelta
+
+    from events_ledger.models import EventRunResource
+    from tests.helpers import revert_ttl
+
+    ttl = timedelta(seconds=ttl_s) if ttl_s else revert_ttl()
+    random.Random(seed).shuffle(ids)
+    won: list[int] = []
+    tokens: dict[str, str] = {}
+    for i in range(0, len(ids), group):
+        claim = EventRunResource.objects.claim_group(ids[i : i + group], ttl=ttl)
+        won.extend(claim.ids)
+        for pk in claim.ids:
+            tokens[str(pk)] = claim.token
+    return {"won": won, "tokens": tokens}
+
+
+def task_verdict(ids: list[int], token: str) -> dict[str, Any]:
+    from events_ledger.models import EventRunResource
+
+    return {"written": EventRunResource.objects.mark_reverted(ids, token=token)}
+
+
+TASKS = {"reserve": task_reserve, "claim": task_claim, "verdict": task_verdict}
+
+
+def task_cleanup(run_id: int) -> dict[str, Any]:
+    from events_ledger.cleanup import cleanup_run
+
+    return cleanup_run(run_id).as_dict()
+
+
+def task_sweep_until_done(rounds: int = 200) -> dict[str, Any]:
+    from events_ledger.cleanup import sweep
+
+    worked = 0
+    for _ in range(rounds):
+        report = sweep()
+        if not report.runs and not report.errors:
+            break
+        worked += len(report.runs)
+    return {"worked": worked}
+
+
+def task_execute(step_id: int) -> dict[str, Any]:
+    from events_ledger.ledger import execute_step
+
+    result = execute_step(step_id)
+    return {"outcome": result.outcome, "recorded": result.recorded, "error": result.error}
+
+
+TASKS.update({"cleanup": task_cleanup, "sweep": task_sweep_until_done, "execute": task_execute})
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def task_cleanup_killed_at(run_id: int, point: str) -> dict[str, Any]:
+    """The chaos suite's sweeper: cleans one run up and SIGKILLs itself at ``point``
+    (``inside_revert`` is the world's own fault switch, set by the parent)."""
+    from events_ledger import cleanup
+    from events_ledger.querysets import EventRunResourceQuerySet as Rows
+
+    if point == "after_claim":
+        claim = Rows.claim_group
+
+        def claim_then_die(self: Any, *args: Any, **kwargs: Any) -> Any:
+            claim(self, *args, **kwargs)
+            _die()
+
+        Rows.claim_group = claim_then_die  # type: ignore[method-assign]
+    elif point == "after_revert":
+        # The module answered; the sweeper dies before it reads the answer.
+        cleanup.classify_revert = lambda *args, **kwargs: _die()  # type: ignore[assignment]
+    elif point == "during_verdict":
+        verdict = Rows.mark_reverted
+
+        def verdict_then_die(self: Any, *args: Any, **kwargs: Any) -> Any:
+            verdict(self, *args, **kwargs)  # written, and its answer never read
+            _die()
+
+        Rows.mark_reverted = verdict_then_die  # type: ignore[method-assign]
+    return cleanup.cleanup_run(run_id).as_dict()
+
+
+def task_reserve_release(run_id: int, refs: list[str], seed: int, rounds: int) -> dict[str, Any]:
+    """Reserve and release the same targets as fast as possible, against other processes."""
+    from events_ledger.models import EventRunResource
+    from tests.helpers import revert_ttl
+
+    rows = EventRunResource.objects
+    rng = random.Random(seed)
+    out: dict[str, Any] = {"reserved": 0, "held": 0, "errors": []}
+    for _ in range(rounds):
+        rng.shuffle(refs)
+        for ref in refs:
+            try:
+                answer = rows.reserve(run_id, owner="chaos", kind="thing", ref=ref)
+                if not answer.ok:
+                    out["held"] += 1
+                    continue
+                out["reserved"] += 1
+                token = rows.claim_revert(answer.id, revert_ttl())
+                if token is not None:
+                    rows.mark_reverted([answer.id], token=token)
+            except Exception as exc:  # the test asserts none escapes
+                out["errors"].append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+TASKS.update({"cleanup_killed_at": task_cleanup_killed_at, "reserve_release": task_reserve_release})
+
+
+def main() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.child_settings")
+    task, args = sys.argv[1], json.loads(sys.argv[2])
+    import django
+
+    django.setup()
+    connection.ensure_connection()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    try:
+        result = TASKS[task](**args)
+    except Exception:
+        result = {"crash": traceback.format_exc()}
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from io import StringIO
 
 import pytest
 from django.contrib.auth.models import Permission, User
+from django.core.management import call_command
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
@@ -13,6 +15,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import escape
 
+from events_ledger.diagnosis import diagnose
 from events_ledger.ledger import execute_step
 from events_ledger.models import EventRun, EventRunLog, EventRunResource
 from project.world.models import Creature
@@ -215,6 +218,37 @@ def test_why_is_this_stuck(admin_client):  # S3, R5, C3
     released = ResourceFactory(run=run, status="reverted")
     html = admin_client.get(row_url(released)).content.decode()
     assert "This row is resolved" in html and "its target is released" in html
+
+
+@pytest.mark.django_db
+def test_the_consoles_css_is_one_static_file_on_every_page(admin_client):  # S3, #13
+    run = RunFactory(status="completed", cleanup_status="incomplete")
+    row = ResourceFactory(run=run)
+    link = 'href="/static/events_ledger/admin/console.css"'
+    pages = [runs_url(), resources_url(), run_url(run), row_url(row)]
+    pages.append(reverse("admin:app_list", args=["events_ledger"]))
+    for url in pages:
+        html = admin_client.get(url).content.decode()
+        assert html.count(link) == 1, url
+        assert ".el-pill {" not in html, url  # no inline copy of the stylesheet
+    retry = admin_client.post(
+        runs_url(), {"action": "retry_cleanup", "_selected_action": [run.pk]}
+    ).content.decode()
+    assert "Retry cleanup" in retry and retry.count(link) == 1
+
+
+@pytest.mark.django_db
+def test_the_console_and_the_dry_run_name_the_same_call(admin_client):  # S3, S1
+    run = RunFactory(status="failed", cleanup_status="pending")
+    step = StepFactory(run=run, action_id="world.spawn")
+    row = ResourceFactory(run=run, step=step, owner_module="world", kind="creature", ref="0xd1")
+    out = StringIO()
+    call_command("cleanup_runs", "--dry-run", "--run", str(run.pk), "--reset-attempts", stdout=out)
+    call = diagnose(row).call
+    assert call == f"world.spawn.revert(key={step.idempotency_key}, resources=['creature:0xd1'])"
+    assert f"  - {call}" in out.getvalue().splitlines()
+    why = admin_client.get(row_url(row)).content.decode()
+    assert escape(call) in why[why.index('id="el-why"') :]
 
 
 @pytest.mark.django_db

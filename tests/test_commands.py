@@ -34,8 +34,6 @@ def command(*args):
     code = 0
     try:
         call_command(*args, stdout=out, stderr=err)
-    except SystemExit as exc:
-        code = exc.code
     except CommandError as exc:
         code = exc.returncode
         err.write(str(exc))
@@ -122,6 +120,7 @@ def test_exit_statuses_a_cron_monitor_reads(world):  # S1
     world.switch_on("despawn.fail")
     stuck = manage("cleanup_runs")
     assert stuck.returncode == 1 and "-> incomplete" in stuck.stdout
+    assert "CommandError: a run is incomplete" in stuck.stderr
     bad = manage("cleanup_runs", "--reset-attempts")
     assert bad.returncode == 2 and "--run" in bad.stderr
     missing = manage("cleanup_runs", "--run", "987654")
@@ -235,8 +234,8 @@ def test_loop_survives_the_database_going_away(world):  # S1, connections die
     code = 0
     try:
         call_command("cleanup_runs", "--loop", "0.1", stdout=out, stderr=err)
-    except SystemExit as exc:
-        code = exc.code
+    except CommandError as exc:
+        code = exc.returncode
     helper.join(60)
     assert not trouble, trouble
     assert code == 1  # a pass failed: a human should know

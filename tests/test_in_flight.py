@@ -25,7 +25,7 @@ from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResou
 from project.world import world as w
 from project.world.models import Call, Creature, RegionSetting
 from tests.helpers import PATIENCE_S, Gate, in_thread, new_run, new_step, revert_ttl, wait_until
-from tests.processes import spawn
+from tests.processes import CHILD, spawn
 
 Res = EventRunResource.objects
 world_db = pytest.mark.django_db(transaction=True)
@@ -302,7 +302,7 @@ def test_a_worker_killed_between_two_chunks_loses_nothing(world, vendor):  # W3,
     with transaction.atomic():
         Res.create(run=other, owner_module="world", kind="creature", ref=blocker_ref)
         child = spawn(
-            "tests.procs",
+            CHILD,
             "execute",
             json.dumps({"step_id": step.pk}),
             stdin=subprocess.PIPE,

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import django
 import pytest
 from django.db import connection
 
+import events_ledger
 from tests.processes import ROOT
 
 pytestmark = pytest.mark.slow
@@ -91,18 +94,21 @@ def test_the_wheel_installs_into_a_new_project_and_gives_resources_back(tmp_path
         env=env,
     )
     [wheel] = dist.glob("*.whl")
+    assert wheel.name.startswith(f"django_events_ledger-{events_ledger.__version__}-")
     [sdist] = dist.glob("*.tar.gz")
     import tarfile
 
     with tarfile.open(sdist) as tar:
         members = [m.split("/", 1)[1] for m in tar.getnames() if "/" in m]
     assert "events_ledger/migrations/0001_initial.py" in members and "CHANGELOG.md" in members
+    assert "events_ledger/static/events_ledger/admin/console.css" in members
     assert not [m for m in members if m.startswith(("project/", "tests/", "docs/"))]
     names = subprocess.run(
         [sys.executable, "-m", "zipfile", "-l", str(wheel)], capture_output=True, text=True
     ).stdout
     assert "events_ledger/migrations/0001_initial.py" in names and "events_ledger/py.typed" in names
     assert "project/" not in names and "tests/" not in names
+    assert "events_ledger/static/events_ledger/admin/console.css" in names  # the console's CSS
 
     venv = tmp_path / "venv"
     sh(sys.executable, "-m", "venv", str(venv), cwd=tmp_path, env=env)
@@ -138,7 +144,8 @@ def test_the_wheel_installs_into_a_new_project_and_gives_resources_back(tmp_path
         cwd=host,
         env=env,
     ).stdout
-    assert str(venv) in where and str(ROOT) not in where and "0.1.0" in where
+    assert str(venv) in where and str(ROOT) not in where
+    assert where.split()[-1] == events_ledger.__version__  # the checkout's number, installed
     out = sh(*manage, "shell", "-c", RUN_A_STEP, cwd=host, env=env).stdout
     assert len(json.loads((app / "world.json").read_text())) == 3
     run_id = out.split("RUN")[1].strip()
@@ -162,3 +169,11 @@ def test_the_wheel_installs_into_a_new_project_and_gives_resources_back(tmp_path
     ).stdout
     assert "pip install 'django-events-ledger[metrics]'" in missing
     assert "pip install 'django-events-ledger[health]'" in missing
+
+
+def test_the_version_is_written_once():  # one number (#13)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    dynamic = project["tool"]["setuptools"]["dynamic"]["version"]
+    assert dynamic == {"attr": "events_ledger.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", events_ledger.__version__)

@@ -13,7 +13,7 @@ from io import StringIO
 import pytest
 from django.contrib.auth.models import Permission, User
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
@@ -572,9 +572,9 @@ def test_ledger_status_prints_one_screen_and_exits_1_when_unhealthy():  # #15: l
     run = RunFactory(status="completed", cleanup_status="incomplete")
     ResourceFactory(run=run, owner_module="world", revert_attempts=3, last_error="refused")
     out = StringIO()
-    with pytest.raises(SystemExit) as exit_:
+    with pytest.raises(CommandError, match="the ledger is unhealthy") as exit_:
         call_command("ledger_status", "--verbosity", "2", stdout=out)
-    assert exit_.value.code == 1
+    assert exit_.value.returncode == 1
     text = out.getvalue()
     assert text.startswith("events ledger: UNHEALTHY")
     assert f"1 run(s) incomplete (run {run.pk})" in text
@@ -582,16 +582,16 @@ def test_ledger_status_prints_one_screen_and_exits_1_when_unhealthy():  # #15: l
     assert ": refused" in text  # verbosity 2 shows the errors
 
     out = StringIO()
-    with pytest.raises(SystemExit):
+    with pytest.raises(CommandError):
         call_command("ledger_status", "--json", stdout=out)
     doc = json.loads(out.getvalue())
     assert doc["healthy"] is False and doc["runs"]["incomplete"] == [run.pk]
     assert doc["unresolved"]["modules"]["world"]["spent"] == 1
 
-    out = StringIO()
-    with pytest.raises(SystemExit):
-        call_command("ledger_status", "--verbosity", "0", stdout=out)
-    assert out.getvalue() == ""
+    out, err = StringIO(), StringIO()
+    with pytest.raises(CommandError):
+        call_command("ledger_status", "--verbosity", "0", stdout=out, stderr=err)
+    assert out.getvalue() == err.getvalue() == ""
 
 
 # ── optional packages ──

@@ -143,3 +143,19 @@ def test_settings_are_read_on_access(settings):  # S4
     assert ledger_settings.REVERT_CLAIM_TTL == timedelta(minutes=15)
     settings.EVENTS_LEDGER = {"REVERT_CLAIM_TTL": 30}
     assert ledger_settings.REVERT_CLAIM_TTL == timedelta(seconds=30)
+
+
+def test_each_setting_is_a_typed_attribute(settings):  # S4, #13
+    from datetime import timedelta
+
+    from events_ledger.conf import DEFAULTS, LedgerSettings, ledger_settings
+
+    typed = {name for name, value in vars(LedgerSettings).items() if hasattr(value, "check")}
+    assert typed == set(DEFAULTS)  # a key without its typed attribute, or one too many
+    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 7, "STEP_CLAIM_TTL": 2.5}
+    assert ledger_settings.CLEANUP_RUN_BATCH == 7
+    assert ledger_settings.STEP_CLAIM_TTL == timedelta(seconds=2.5)
+    assert ledger_settings.RECONCILE_MAX_ORPHAN_FRACTION == 0.5
+    assert ledger_settings.METRICS_TOKEN is None
+    with pytest.raises(AttributeError):
+        ledger_settings.CLEANUP_RUN_BACTH  # noqa: B018  (a misspelling is no setting)

@@ -35,7 +35,7 @@ from tests.helpers import (
     short_budget_world_spawn,
     spawn_step,
 )
-from tests.processes import race, spawn
+from tests.processes import CHILD, race, spawn
 
 Res = EventRunResource.objects
 world_db = pytest.mark.django_db(transaction=True)
@@ -521,7 +521,7 @@ def test_a_sweeper_killed_mid_revert_is_finished_by_a_later_sweep(world):  # R5,
     import subprocess
 
     child = spawn(
-        "tests.procs",
+        CHILD,
         "cleanup",
         json.dumps({"run_id": run.pk}),
         stdin=subprocess.PIPE,

@@ -10,14 +10,19 @@ import threading
 from typing import Any
 
 from django.db import DatabaseError, close_old_connections, connection
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_noop
 
 from events_ledger.cleanup import CleanupSummary, RunNotTerminal, cleanup_run, plan_run, sweep
 from events_ledger.conf import ledger_settings
+from events_ledger.diagnosis import plan_lines
 from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
 from events_ledger.models import EventRun
 
 logger = logging.getLogger("events_ledger")
 
+#: Why a sweep exits 1; the lines above it say which runs.
+NEEDS_A_HUMAN = gettext_noop("a run is incomplete, or a pass failed: a human must look.")
 #: The shortest --loop interval: a tighter loop only hammers the database.
 MIN_LOOP_S = 0.1
 #: How long a loop waits after a pass failed, at most (doubling from the interval).
@@ -25,52 +30,59 @@ MAX_BACKOFF_S = 300.0
 
 
 class Command(LedgerCommand):
-    help = (
+    help = gettext_noop(
         "Give back what terminal runs still hold: one sweep (or one run with --run). "
         "Exit status 0: clean or retries pending; 1: a run became incomplete or failed to "
         "sweep; 2: bad arguments."
     )
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("--run", type=int, metavar="ID", help="Clean up this run only.")
+        parser.add_argument("--run", type=int, metavar="ID", help=_("Clean up this run only."))
         parser.add_argument(
             "--reset-attempts",
             action="store_true",
-            help="With --run: the human retry. Zero the attempt counters first (logged with --actor).",
+            help=_(
+                "With --run: the human retry. Zero the attempt counters first (logged with --actor)."
+            ),
         )
-        parser.add_argument("--actor", help="Who asks for the human retry (default: the OS user).")
         parser.add_argument(
-            "--dry-run", action="store_true", help="List what would be given back; write nothing."
+            "--actor", help=_("Who asks for the human retry (default: the OS user).")
+        )
+        parser.add_argument(
+            "--dry-run",
+            action="store_true",
+            help=_("List what would be given back; write nothing."),
         )
         parser.add_argument(
             "--loop",
             type=float,
             metavar="SECONDS",
-            help="Sweep every SECONDS until SIGTERM/SIGINT, finishing the calls in hand.",
+            help=_("Sweep every SECONDS until SIGTERM/SIGINT, finishing the calls in hand."),
         )
         self.add_json_argument(parser)
 
     def handle(self, *args: Any, **opts: Any) -> None:
         if opts["reset_attempts"] and opts["run"] is None:
-            raise self.bad_input("--reset-attempts is the human retry of one run: give --run ID.")
+            raise self.bad_input(
+                _("--reset-attempts is the human retry of one run: give --run ID.")
+            )
         if opts["loop"] is not None and (opts["run"] is not None or opts["dry_run"]):
-            raise self.bad_input("--loop sweeps; it does not go with --run or --dry-run.")
+            raise self.bad_input(_("--loop sweeps; it does not go with --run or --dry-run."))
         if opts["loop"] is not None and (
             not math.isfinite(opts["loop"]) or opts["loop"] < MIN_LOOP_S
         ):
             raise self.bad_input(
-                f"--loop takes a finite number of seconds, at least {MIN_LOOP_S:g}; "
-                f"not {opts['loop']!r}."
+                _("--loop takes a finite number of seconds, at least %(min)g; not %(given)r.")
+                % {"min": MIN_LOOP_S, "given": opts["loop"]}
             )
         try:
-            _ = ledger_settings.CLEANUP_RUN_BATCH  # a wrong setting is bad input, said plainly
+            ledger_settings.CLEANUP_RUN_BATCH  # noqa: B018  (a wrong setting is bad input, said plainly)
         except Exception as exc:
             raise self.bad_input(str(exc)) from exc
-        self.verbosity = opts["verbosity"]
         self.as_json = opts["json"]
         run = self._run(opts["run"]) if opts["run"] is not None else None
         if opts["dry_run"]:
-            return self.finish(self._dry_run(run, opts["reset_attempts"]))
+            return self.finish(self._dry_run(run, opts["reset_attempts"]), "")
         if run is not None:
             actor = opts["actor"] or f"cli:{getpass.getuser()}"
             try:
@@ -80,23 +92,29 @@ class Command(LedgerCommand):
                     actor=actor if opts["reset_attempts"] else None,
                 )
             except RunNotTerminal as exc:
-                raise self.bad_input(f"{exc}. Finish or cancel it first.") from exc
+                raise self.bad_input(
+                    _("%(reason)s. Finish or cancel it first.") % {"reason": exc}
+                ) from exc
             self._report([summary], {})
-            return self.finish(NEEDS_HUMAN if summary.cleanup_status == "incomplete" else OK)
+            incomplete = summary.cleanup_status == "incomplete"
+            return self.finish(
+                NEEDS_HUMAN if incomplete else OK,
+                _("run %(id)s is incomplete: a human must look.") % {"id": run.pk},
+            )
         if opts["loop"] is not None:
-            return self.finish(self._loop(opts["loop"]))
+            return self.finish(self._loop(opts["loop"]), _(NEEDS_A_HUMAN))
         try:
             status = self._sweep_once()
         except DatabaseError as exc:
-            self.stderr.write(self.style.ERROR(f"the pass failed: {exc}"))
+            self.stderr.write(self.style.ERROR(_("the pass failed: %(error)s") % {"error": exc}))
             status = NEEDS_HUMAN
-        return self.finish(status)
+        return self.finish(status, _(NEEDS_A_HUMAN))
 
     def _run(self, pk: int) -> EventRun:
         try:
             return EventRun.objects.get(pk=pk)
         except EventRun.DoesNotExist:
-            raise self.bad_input(f"There is no run {pk}.") from None
+            raise self.bad_input(_("There is no run %(id)s.") % {"id": pk}) from None
 
     # ── one pass ──
 
@@ -139,14 +157,32 @@ class Command(LedgerCommand):
             )
             self.stdout.write(
                 style(
-                    f"run {s.run_id}: attempted {s.attempted}, reverted {s.reverted}, drifted {s.drifted}, "
-                    f"failed {s.failed}, remaining {s.remaining} -> {s.cleanup_status}"
+                    _(
+                        "run %(id)s: attempted %(attempted)d, reverted %(reverted)d, "
+                        "drifted %(drifted)d, failed %(failed)d, remaining %(remaining)d -> %(status)s"
+                    )
+                    % {
+                        "id": s.run_id,
+                        "attempted": s.attempted,
+                        "reverted": s.reverted,
+                        "drifted": s.drifted,
+                        "failed": s.failed,
+                        "remaining": s.remaining,
+                        "status": s.cleanup_status,
+                    }
                 )
             )
             for w in s.waiting:
                 self.stdout.write(
-                    f"  waits for step {w['step']} ({w['action']}) in flight on "
-                    f"{w['claimed_by'] or 'an unknown host'} since {w['claimed_at']}"
+                    _(
+                        "  waits for step %(step)s (%(action)s) in flight on %(host)s since %(since)s"
+                    )
+                    % {
+                        "step": w["step"],
+                        "action": w["action"],
+                        "host": w["claimed_by"] or _("an unknown host"),
+                        "since": w["claimed_at"],
+                    }
                 )
             if self.verbosity >= 2:
                 for g in s.groups:
@@ -155,14 +191,17 @@ class Command(LedgerCommand):
                     )
                     self.stdout.write(line + (f" ({g['error']})" if g.get("error") else ""))
         for run_id, error in errors.items():
-            self.stderr.write(self.style.ERROR(f"run {run_id}: the sweep failed: {error}"))
+            failed = _("run %(id)s: the sweep failed: %(error)s") % {"id": run_id, "error": error}
+            self.stderr.write(self.style.ERROR(failed))
         if repair_error:
-            self.stderr.write(self.style.ERROR(f"repairing summaries failed: {repair_error}"))
+            failed = _("repairing summaries failed: %(error)s") % {"error": repair_error}
+            self.stderr.write(self.style.ERROR(failed))
         for pk, status in repaired:
             style = self.style.ERROR if status == "incomplete" else self.style.WARNING
-            self.stdout.write(style(f"run {pk}: summary re-derived from its rows -> {status}"))
+            line = _("run %(id)s: summary re-derived from its rows -> %(status)s")
+            self.stdout.write(style(line % {"id": pk, "status": status}))
         if not summaries and not errors:
-            self.stdout.write("nothing to give back")
+            self.stdout.write(_("nothing to give back"))
 
     # ── dry run ──
 
@@ -185,21 +224,16 @@ class Command(LedgerCommand):
             )
             return OK
         if not any(plans.values()):
-            self.stdout.write("nothing would be given back")
+            self.stdout.write(_("nothing would be given back"))
         for pk, groups in plans.items():
             run = next(r for r in runs if r.pk == pk)
             if not groups:
                 continue
-            self.stdout.write(f"run {pk} ({run.name}, {run.status}) would give back:")
-            for g in groups:
-                self.stdout.write(
-                    f"  - {g.call}" + (f"  [cannot: {g.problem}]" if g.problem else "")
-                )
-                if g.by_key and not g.waiting_for:
-                    self.stdout.write(
-                        "    (its step's answer may be on the ledger in part: the module "
-                        "is asked for everything the key made)"
-                    )
+            line = _("run %(id)s (%(name)s, %(status)s) would give back:")
+            self.stdout.write(line % {"id": pk, "name": run.name, "status": run.status})
+            # The same words as the console's "why is this stuck?", from the same code.
+            for line in plan_lines(groups):
+                self.stdout.write(line)
         return OK
 
     # ── loop ──
@@ -209,7 +243,10 @@ class Command(LedgerCommand):
 
         def request_stop(signum: int, frame: Any) -> None:
             if self.verbosity:
-                self.stdout.write(f"signal {signum}: finishing the calls in hand, then stopping")
+                self.stdout.write(
+                    _("signal %(signal)s: finishing the calls in hand, then stopping")
+                    % {"signal": signum}
+                )
             stop.set()
 
         previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -227,7 +264,10 @@ class Command(LedgerCommand):
                     wait = min(max(wait * 2, every), MAX_BACKOFF_S)
                     logger.warning("a sweep pass failed; next try in %.1fs", wait, exc_info=True)
                     self.stderr.write(
-                        self.style.ERROR(f"the pass failed: {exc}; trying again in {wait:.1f}s")
+                        self.style.ERROR(
+                            _("the pass failed: %(error)s; trying again in %(wait).1fs")
+                            % {"error": exc, "wait": wait}
+                        )
                     )
                 finally:
                     # Never hold a connection (or a snapshot) across passes: a server

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_noop
+
 from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
 from events_ledger.status import LedgerStatus, duration, snapshot
 
 
 class Command(LedgerCommand):
-    help = (
+    help = gettext_noop(
         "Print where the ledger stands: runs by cleanup status, unresolved resources by "
         "module, the oldest of them, steps in flight. Exit status 1 when it is unhealthy "
         "(a run incomplete, or an unresolved resource older than HEALTH_MAX_UNRESOLVED_AGE)."
@@ -24,22 +27,26 @@ class Command(LedgerCommand):
             self.emit_json(status.as_dict())
         elif opts["verbosity"]:
             self._print(status, opts["verbosity"])
-        self.finish(OK if status.healthy else NEEDS_HUMAN)
+        self.finish(OK if status.healthy else NEEDS_HUMAN, _("the ledger is unhealthy."))
 
     def _print(self, s: LedgerStatus, verbosity: int) -> None:
         out = self.stdout.write
         if s.healthy:
-            out(self.style.SUCCESS("events ledger: healthy"))
+            out(self.style.SUCCESS(_("events ledger: healthy")))
         else:
-            out(self.style.ERROR("events ledger: UNHEALTHY"))
+            out(self.style.ERROR(_("events ledger: UNHEALTHY")))
             for problem in s.problems:
                 out(self.style.ERROR(f"  - {problem}"))
         runs = s.runs_by_cleanup_status
         out(
-            "runs by cleanup: "
+            _("runs by cleanup: ")
             + " · ".join(f"{name.replace('_', ' ')} {n}" for name, n in runs.items())
         )
-        out(f"unresolved resources: {s.unresolved} (oldest {duration(s.age(s.oldest_unresolved))})")
+        oldest = duration(s.age(s.oldest_unresolved))
+        out(
+            _("unresolved resources: %(count)d (oldest %(oldest)s)")
+            % {"count": s.unresolved, "oldest": oldest}
+        )
         width = max((len(m.owner) for m in s.modules), default=0)
         for m in s.modules:
             statuses = ", ".join(f"{name} {n}" for name, n in m.by_status.items())
@@ -47,12 +54,12 @@ class Command(LedgerCommand):
                 f"  {m.owner:<{width}}  {statuses}; oldest {duration(s.age(m.oldest))}; "
                 f"claimed without verdict {m.poison}; left for a human {m.spent}"
             )
-        out(f"steps in flight: {s.in_flight}")
+        out(_("steps in flight: %(count)d") % {"count": s.in_flight})
         for a in s.steps:
             stale = f", {a.stale} with a stale claim" if a.stale else ""
             out(f"  {a.action}: {a.in_flight} (oldest {duration(s.age(a.oldest))}){stale}")
         if s.oldest_rows:
-            out("oldest unresolved:")
+            out(_("oldest unresolved:"))
             for r in s.oldest_rows:
                 line = (
                     f"  #{r.pk} {r.owner_module} {r.kind}:{r.ref} {r.status}, run {r.run_id}, "
@@ -62,7 +69,7 @@ class Command(LedgerCommand):
                     line += f": {r.last_error}"
                 out(line)
         if s.running_steps and verbosity > 1:
-            out("longest in flight:")
+            out(_("longest in flight:"))
             for step in s.running_steps:
                 out(
                     f"  step {step.pk} ({step.action_id}) of run {step.run_id} on "

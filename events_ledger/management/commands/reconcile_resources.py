@@ -4,24 +4,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_noop
+
 from events_ledger.cleanup import reconcile_all, reconcile_module
 from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
 from events_ledger.models import EventRunResource
 
 
 class Command(LedgerCommand):
-    help = (
+    help = gettext_noop(
         "Ask each module with live rows (or --module OWNER) which are still in force; rows "
         "no longer in force become orphaned. Exit status 1 when answers were held back by "
         "the safety bound, or when a module's reconcile failed."
     )
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("--module", metavar="OWNER", help="Ask this module only.")
+        parser.add_argument("--module", metavar="OWNER", help=_("Ask this module only."))
         parser.add_argument(
             "--force",
             action="store_true",
-            help="Orphan even when the answers would orphan more than RECONCILE_MAX_ORPHAN_FRACTION.",
+            help=_(
+                "Orphan even when the answers would orphan more than RECONCILE_MAX_ORPHAN_FRACTION."
+            ),
         )
         self.add_json_argument(parser)
 
@@ -29,9 +34,10 @@ class Command(LedgerCommand):
         owner = opts["module"]
         if owner is not None:
             if owner not in EventRunResource.objects.modules_with_live_rows():
-                known = ", ".join(EventRunResource.objects.modules_with_live_rows()) or "none"
+                known = ", ".join(EventRunResource.objects.modules_with_live_rows()) or _("none")
                 raise self.bad_input(
-                    f"The module {owner!r} has no live rows (modules with live rows: {known})."
+                    _("The module %(owner)r has no live rows (modules with live rows: %(known)s).")
+                    % {"owner": owner, "known": known}
                 )
             results = {owner: reconcile_module(owner, force=opts["force"])}
         else:
@@ -42,15 +48,24 @@ class Command(LedgerCommand):
             self.emit_json({owner: s.as_dict() for owner, s in results.items()})
         elif opts["verbosity"]:
             if not results:
-                self.stdout.write("no module has live rows")
+                self.stdout.write(_("no module has live rows"))
             for name, s in results.items():
-                line = (
-                    f"{name}: asked {s.asked}, in force {s.in_force}, orphaned {s.orphaned}, "
-                    f"unanswered {s.unanswered}"
-                )
+                line = _(
+                    "%(owner)s: asked %(asked)d, in force %(in_force)d, orphaned %(orphaned)d, "
+                    "unanswered %(unanswered)d"
+                ) % {
+                    "owner": name,
+                    "asked": s.asked,
+                    "in_force": s.in_force,
+                    "orphaned": s.orphaned,
+                    "unanswered": s.unanswered,
+                }
                 self.stdout.write(self.style.ERROR(line) if s.held_back else line)
                 if s.reason:
                     self.stdout.write(f"  {s.reason}")
                 for error in s.errors:
                     self.stderr.write(self.style.ERROR(f"  {name}: {error}"))
-        self.finish(NEEDS_HUMAN if held_back or failed else OK)
+        self.finish(
+            NEEDS_HUMAN if held_back or failed else OK,
+            _("a module's answer was held back or failed: a human must look."),
+        )
