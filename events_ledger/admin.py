@@ -239,7 +239,10 @@ class EventRunAdmin(LedgerAdmin):
             }
             self.message_user(request, failure, messages.ERROR)
             return
-        levels = {"complete": messages.SUCCESS, "pending": messages.WARNING}
+        levels: dict[str, int] = {
+            CleanupStatus.COMPLETE: messages.SUCCESS,
+            CleanupStatus.PENDING: messages.WARNING,
+        }
         text = _(
             "run %(id)s %(name)s: reverted %(reverted)d, drifted %(drifted)d, "
             "failed %(failed)d, remaining %(remaining)d → cleanup %(status)s"

@@ -18,6 +18,7 @@ from events_ledger.conf import ledger_settings
 from events_ledger.diagnosis import plan_lines
 from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
 from events_ledger.models import EventRun
+from events_ledger.states import CleanupStatus
 
 logger = logging.getLogger("events_ledger")
 
@@ -96,7 +97,7 @@ class Command(LedgerCommand):
                     _("%(reason)s. Finish or cancel it first.") % {"reason": exc}
                 ) from exc
             self._report([summary], {})
-            incomplete = summary.cleanup_status == "incomplete"
+            incomplete = summary.cleanup_status == CleanupStatus.INCOMPLETE
             return self.finish(
                 NEEDS_HUMAN if incomplete else OK,
                 _("run %(id)s is incomplete: a human must look.") % {"id": run.pk},
@@ -152,9 +153,12 @@ class Command(LedgerCommand):
         if self.verbosity == 0:
             return
         for s in summaries:
-            style = {"complete": self.style.SUCCESS, "incomplete": self.style.ERROR}.get(
-                s.cleanup_status, self.style.WARNING
-            )
+            if s.cleanup_status == CleanupStatus.COMPLETE:
+                style = self.style.SUCCESS
+            elif s.cleanup_status == CleanupStatus.INCOMPLETE:
+                style = self.style.ERROR
+            else:
+                style = self.style.WARNING
             self.stdout.write(
                 style(
                     _(
@@ -197,7 +201,7 @@ class Command(LedgerCommand):
             failed = _("repairing summaries failed: %(error)s") % {"error": repair_error}
             self.stderr.write(self.style.ERROR(failed))
         for pk, status in repaired:
-            style = self.style.ERROR if status == "incomplete" else self.style.WARNING
+            style = self.style.ERROR if status == CleanupStatus.INCOMPLETE else self.style.WARNING
             line = _("run %(id)s: summary re-derived from its rows -> %(status)s")
             self.stdout.write(style(line % {"id": pk, "status": status}))
         if not summaries and not errors:
