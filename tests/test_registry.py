@@ -57,6 +57,7 @@ def test_event_actions_modules_are_found_at_start_up():  # S5
     assert registry.lease("world.spawn_rate") is not None
 
 
+@pytest.mark.django_db  # SQLite's JSONField check asks the database what it supports
 def test_the_shipped_registrations_pass_the_checks():  # S5
     assert check_registrations() == []
     assert [m for m in checks.run_checks() if m.id.startswith("events_ledger")] == []
