@@ -27,6 +27,7 @@ from .deadline import CallResult, call_all, call_with_deadline
 from .envelopes import Verdict, classify_revert, read_reconcile
 from .logcontext import log_context
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
+from .querysets import EventRunQuerySet
 from .registry import Action
 from .registry import default_registry as registry
 from .states import RELEASED_UNCLEAN, CleanupStatus, ResourceStatus
@@ -732,26 +733,37 @@ class SweepReport:
         return sorted(ids)
 
 
-def sweep(limit: int | None = None, should_stop: Callable[[], bool] | None = None) -> SweepReport:
+def sweep(
+    limit: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    *,
+    scope: str | None = None,
+) -> SweepReport:
     """C5, the cron's leg: terminal runs only (a run in flight still grows its
     ledger), at most ``CLEANUP_RUN_BATCH`` of them; one run's failure is logged and
     does not stop the others. Summaries that disagree with their rows are repaired.
+
+    With ``scope``, only runs of that scope are repaired, scanned and worked: a cron
+    per team, or the benchmark, which must never touch a run it did not make.
 
     Every statement either is retried where no transaction is open (a deadlock) or
     costs the one run it was for; only a failed scan, when nothing can be worked at
     all, raises.
     """
+    runs = EventRun.objects.all() if scope is None else EventRun.objects.filter(scope=scope)
     with statements_retried():
-        return _sweep(limit, should_stop)
+        return _sweep(runs, limit, should_stop)
 
 
-def _sweep(limit: int | None, should_stop: Callable[[], bool] | None) -> SweepReport:
+def _sweep(
+    candidates: EventRunQuerySet, limit: int | None, should_stop: Callable[[], bool] | None
+) -> SweepReport:
     report = SweepReport()
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
     _hand_back_unfinished()
     try:
-        report.repaired_runs = EventRun.objects.repair_cleanup_summaries(max_attempts, max_claims)
+        report.repaired_runs = candidates.repair_cleanup_summaries(max_attempts, max_claims)
         signals.summaries_repaired(report.repaired_runs)  # #15: after the repair's commit
     except DatabaseError as exc:
         logger.exception("repairing cleanup summaries failed; the pass goes on without it")
@@ -759,7 +771,7 @@ def _sweep(limit: int | None, should_stop: Callable[[], bool] | None) -> SweepRe
         _drop_if_dead(exc)
     batch = limit or ledger_settings.CLEANUP_RUN_BATCH
     runs = retrying_deadlocks(
-        lambda: EventRun.objects.needing_cleanup(
+        lambda: candidates.needing_cleanup(
             batch, max_attempts, max_claims, step_ttl=ledger_settings.STEP_CLAIM_TTL
         )
     )

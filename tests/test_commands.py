@@ -320,3 +320,13 @@ def test_the_human_retrys_log_entry_survives_a_killed_pass(world):  # C4, rule 2
             child.kill()
     [entry] = EventRunLog.objects.filter(run=run, kind="cleanup.retry")
     assert entry.detail == {"resources": 2, "by": "ops:ana"}
+
+
+def test_cleanup_runs_scope_sweeps_one_scope_only(world):  # S1, C5
+    ours, theirs = finished_run(region="north"), finished_run(region="south")
+    EventRun.objects.filter(pk=ours.pk).update(scope="team-a")
+    code, out, _ = command("cleanup_runs", "--scope", "team-a")
+    assert code == 0 and f"run {ours.pk}:" in out and f"run {theirs.pk}:" not in out
+    assert Res.filter(run=theirs, status="confirmed").count() == 2
+    code, _, err = command("cleanup_runs", "--scope", "team-a", "--run", str(ours.pk))
+    assert code == 2 and "--scope" in err

@@ -247,3 +247,27 @@ def test_reconcile_asks_in_parallel_too(isolated_registry, settings):  # C6, #12
     _runs(2, groups=2)
     summary = reconcile_module("t")
     assert (summary.asked, summary.in_force, summary.errors) == (4, 4, [])
+
+
+@pytest.mark.django_db
+def test_a_scoped_sweep_works_and_repairs_only_its_scope(isolated_registry):  # C5, #13
+    # The bench sweeps with its scope on a database that may hold real runs: nothing
+    # outside the scope may be claimed, given back, repaired or logged.
+    ledger_action(isolated_registry)
+    mine = _runs(2)
+    theirs = _runs(2)
+    EventRun.objects.filter(pk__in=[r.pk for r in mine]).update(scope="bench")
+    EventRun.objects.filter(pk__in=[r.pk for r in theirs]).update(scope="host")
+    # A summary its rows contradict, out of scope: a scoped sweep leaves it as it is.
+    stale = RunFactory(status="completed", cleanup_status="incomplete", scope="host")
+    report = sweep(scope="bench")
+    assert sorted(s.run_id for s in report.runs) == sorted(r.pk for r in mine)
+    assert report.repaired_runs == []
+    assert not Res.filter(run__in=mine).exclude(status="reverted").exists()
+    assert Res.filter(run__in=theirs, status="confirmed").count() == 2
+    assert not EventRunLog.objects.filter(run__in=[*theirs, stale]).exists()
+    assert EventRun.objects.get(pk=stale.pk).cleanup_status == "incomplete"
+    # Unscoped, the cron's sweep takes the rest.
+    report = sweep()
+    assert {s.run_id for s in report.runs} == {r.pk for r in theirs}
+    assert (stale.pk, "complete") in report.repaired_runs

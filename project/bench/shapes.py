@@ -174,7 +174,7 @@ def ledger_way(shape: Shape) -> Legs:
     _end(made)
     for _ in range(shape.runs + 2):  # a bound, should a pass ever give back nothing
         with measured() as one:
-            report = sweep(limit=ledger_settings.CLEANUP_RUN_BATCH)
+            report = sweep(limit=ledger_settings.CLEANUP_RUN_BATCH, scope=SCOPE)
         if report.errors:
             raise RuntimeError(f"a bench sweep failed: {report.errors}")
         if not report.runs:
@@ -270,7 +270,7 @@ def _one_pass(runs: int, groups: int, concurrency: int) -> dict[str, Any]:
         "CLEANUP_GROUPS_PER_RUN": max(25, groups),
     }
     with override_settings(EVENTS_LEDGER=overrides), measured() as one:
-        report = sweep()
+        report = sweep(scope=SCOPE)
     out = {
         "concurrency": concurrency,
         "seconds": one.seconds,

@@ -31,6 +31,8 @@ MAX_BACKOFF_S = 300.0
 
 
 class Command(LedgerCommand):
+    scope: str | None = None
+
     help = gettext_noop(
         "Give back what terminal runs still hold: one sweep (or one run with --run). "
         "Exit status 0: clean or retries pending; 1: a run became incomplete or failed to "
@@ -55,6 +57,10 @@ class Command(LedgerCommand):
             help=_("List what would be given back; write nothing."),
         )
         parser.add_argument(
+            "--scope",
+            help=_("Sweep only runs of this scope (a cron per team); every run by default."),
+        )
+        parser.add_argument(
             "--loop",
             type=float,
             metavar="SECONDS",
@@ -67,6 +73,9 @@ class Command(LedgerCommand):
             raise self.bad_input(
                 _("--reset-attempts is the human retry of one run: give --run ID.")
             )
+        if opts["scope"] is not None and opts["run"] is not None:
+            raise self.bad_input(_("--scope chooses the runs a sweep works; --run names one."))
+        self.scope = opts["scope"]
         if opts["loop"] is not None and (opts["run"] is not None or opts["dry_run"]):
             raise self.bad_input(_("--loop sweeps; it does not go with --run or --dry-run."))
         if opts["loop"] is not None and (
@@ -120,7 +129,7 @@ class Command(LedgerCommand):
     # ── one pass ──
 
     def _sweep_once(self, should_stop: Any = None) -> int:
-        report = sweep(should_stop=should_stop)
+        report = sweep(should_stop=should_stop, scope=self.scope)
         errors = dict(report.errors)
         self._report(
             report.runs,
@@ -213,7 +222,10 @@ class Command(LedgerCommand):
         if run is not None:
             runs = [run]
         else:
-            runs = EventRun.objects.needing_cleanup(
+            candidates = EventRun.objects.all()
+            if self.scope is not None:
+                candidates = candidates.filter(scope=self.scope)
+            runs = candidates.needing_cleanup(
                 ledger_settings.CLEANUP_RUN_BATCH,
                 ledger_settings.MAX_REVERT_ATTEMPTS,
                 ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
