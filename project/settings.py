@@ -156,6 +156,12 @@ CELERY_RESULT_BACKEND = CELERY_BROKER_URL
 # With the ledger's tasks acknowledged late, a worker holds only the message it runs: a
 # prefetched run would wait behind a long step, and go back to the queue if it died.
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# A message a worker took and never acknowledged (the worker was killed) is delivered
+# again after this long: longer than the longest run (a run delivered twice is safe, its
+# steps answer `busy`, but it waits). The tests kill a whole worker and set it short.
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": env.float("CELERY_VISIBILITY_TIMEOUT_S", default=3600.0)
+}
 CELERY_TASK_SERIALIZER = CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 # The sweep as a periodic task (`celery -A project beat`), instead of cron. Passes that
