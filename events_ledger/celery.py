@@ -43,10 +43,11 @@ def run_task(self: Any, run_id: int, on_refused: str = "fail") -> dict[str, Any]
 
 
 @shared_task(name="events_ledger.sweep")
-def sweep_task(limit: int | None = None) -> dict[str, Any]:
+def sweep_task(limit: int | None = None, scope: str | None = None) -> dict[str, Any]:
     """One sweep pass (C5). Run it from Celery beat, as cron runs ``cleanup_runs``;
-    passes that overlap are safe (every row is claimed), and a lost one is the next."""
-    return jobs.sweep_once(limit)
+    passes that overlap are safe (every row is claimed), and a lost one is the next.
+    ``scope``: that scope's runs only (a beat entry per team)."""
+    return jobs.sweep_once(limit, scope)
 
 
 @shared_task(name="events_ledger.reconcile")

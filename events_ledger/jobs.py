@@ -61,13 +61,14 @@ def run_run(run_id: int, on_refused: str = "fail") -> dict[str, Any]:
     return out
 
 
-def sweep_once(limit: int | None = None) -> dict[str, Any]:
-    """C5: one sweep pass, summed up (the cron's leg, run by a periodic task)."""
+def sweep_once(limit: int | None = None, scope: str | None = None) -> dict[str, Any]:
+    """C5: one sweep pass, summed up (the cron's leg, run by a periodic task); with
+    ``scope``, over that scope's runs only."""
     from .cleanup import sweep
 
     _fresh_connection()
     try:
-        report = sweep(limit)
+        report = sweep(limit, scope=scope)
     finally:
         _fresh_connection()
     return {

@@ -77,9 +77,10 @@ if task is not None:
         return True
 
     @task()
-    def sweep_task(limit: int | None = None) -> dict[str, Any]:
-        """One sweep pass (C5): enqueue it on a schedule, as cron runs ``cleanup_runs``."""
-        return jobs.sweep_once(limit)
+    def sweep_task(limit: int | None = None, scope: str | None = None) -> dict[str, Any]:
+        """One sweep pass (C5): enqueue it on a schedule, as cron runs ``cleanup_runs``
+        (``scope``: that scope's runs only, as ``cleanup_runs --scope``)."""
+        return jobs.sweep_once(limit, scope)
 
     @task()
     def reconcile_task(owner: str | None = None, force: bool = False) -> dict[str, Any]:

@@ -50,6 +50,8 @@ def test_the_tasks_on_the_immediate_backend(world):  # W5, C5, C6
     # C6: the world still has everything the ledger holds live.
     assert reconcile_task.enqueue("world").return_value["world"]["orphaned"] == 0
     assert set(reconcile_task.enqueue().return_value) == {"world"}
+    # A sweep of another scope leaves the completed run alone; the cron's takes it.
+    assert sweep_task.enqueue(None, "another-team").return_value["runs"] == 0
     swept = sweep_task.enqueue().return_value
     assert swept["runs"] == 1 and swept["remaining"] == 0
     # The completed run's creatures went back; the lone step's run is still going.
