@@ -744,7 +744,9 @@ def sweep(
     does not stop the others. Summaries that disagree with their rows are repaired.
 
     With ``scope``, only runs of that scope are repaired, scanned and worked: a cron
-    per team, or the benchmark, which must never touch a run it did not make.
+    per team, or the benchmark, which must never touch a run it did not make. (What a
+    pass of this process left claimed when it was interrupted is handed back first,
+    whatever its scope: those claims are this process's own.)
 
     Every statement either is retried where no transaction is open (a deadlock) or
     costs the one run it was for; only a failed scan, when nothing can be worked at

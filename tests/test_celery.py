@@ -108,10 +108,13 @@ class Workers:
         self.timers.append(timer)
         timer.start()
 
-    def kill(self, name: str) -> None:
-        """SIGKILL a worker whole: its main process and every pool process, at once."""
+    def kill(self, name: str) -> datetime:
+        """SIGKILL a worker whole: its main process and every pool process, at once.
+        Answers when: a call of a killed process lasted at most until then."""
         os.killpg(self.by_name[name].pid, signal.SIGKILL)
+        at = timezone.now()
         self.by_name[name].wait(PATIENCE_S)
+        return at
 
     def start(
         self, app: Any, n: int, concurrency: int = 2, first: int = 0, wait: bool = True
@@ -263,14 +266,15 @@ def test_scenario_workers_cancels_a_sigkill_and_beat_sweeps(world, celery_app, w
     # The whole worker goes, main process and pool: its runs' messages were taken and
     # never acknowledged, and come back from Redis after the visibility timeout.
     owner = pools[waiting.pid]
-    workers.kill(owner)
-    killed = {pid: timezone.now() for pid, name in pools.items() if name == owner}
+    at = workers.kill(owner)
+    killed = {pid: at for pid, name in pools.items() if name == owner}
     world.switch_off("spawn.wait")
-    # As a process supervisor would, a new worker takes the dead one's place. A worker
-    # puts back the messages unacknowledged for longer than the visibility timeout when
-    # it starts (kombu's Redis transport; a running worker looks only every hundred
-    # seconds or so), so it starts once the dead worker's messages are that old. The
-    # cancels below go on meanwhile, while the queue still drains.
+    # As a process supervisor would, a new worker takes the dead one's place. Kombu's
+    # Redis transport puts back messages unacknowledged for longer than the visibility
+    # timeout on a worker's first tick (about 10 s after it starts), then only about
+    # every 100 s: the new worker starts once the dead one's messages are that old. The
+    # surviving workers' ticks may hand out runs still going too: their steps answer
+    # `busy` and are retried. The cancels below go on meanwhile, while the queue drains.
     workers.start_later(VISIBILITY_TIMEOUT_S + 1, celery_app, first=3)
 
     # More while the queue drains, spread over it: each is cancelled once the runs ahead
@@ -308,7 +312,8 @@ def test_scenario_workers_cancels_a_sigkill_and_beat_sweeps(world, celery_app, w
     rates_after = dict(RegionSetting.objects.values_list("region", "spawn_rate"))
     holds = not overlaps and not wrong and rates_after == rates_before
     figure(
-        f"{runs_n * per_run} steps of {runs_n} runs on 3 Celery workers x 2: {statuses}, "
+        f"{runs_n * per_run} steps of {runs_n} runs on 3 Celery workers x 2 (one killed, one "
+        f"started in its place): {statuses}, "
         f"{len(cancelled_queued) + len(cancelled_running)} cancelled, 1 worker (its main "
         f"process and pool) SIGKILLed mid-perform, {retried} steps claimed again; drained "
         f"and given back {elapsed:.1f} s after the kill; overlapping calls: {len(overlaps)}",
