@@ -752,7 +752,7 @@ def sweep(
     costs the one run it was for; only a failed scan, when nothing can be worked at
     all, raises.
     """
-    runs = EventRun.objects.all() if scope is None else EventRun.objects.filter(scope=scope)
+    runs = EventRun.objects.all().in_scope(scope)
     with statements_retried():
         return _sweep(runs, limit, should_stop)
 

@@ -123,6 +123,10 @@ class EventRunQuerySet(models.QuerySet):
     def terminal(self) -> EventRunQuerySet:
         return self.filter(status__in=RUN_TERMINAL)
 
+    def in_scope(self, scope: str | None) -> EventRunQuerySet:
+        """The runs of ``scope``; every run when it is None."""
+        return self if scope is None else self.filter(scope=scope)
+
     def transition(self, run: Any, to: str, from_: Iterable[str] | str) -> bool:
         """Move a run's status ``from_ → to``. Exactly one concurrent caller wins."""
         sources = [from_] if isinstance(from_, str) else list(from_)

@@ -222,13 +222,14 @@ class Command(LedgerCommand):
         if run is not None:
             runs = [run]
         else:
-            candidates = EventRun.objects.all()
-            if self.scope is not None:
-                candidates = candidates.filter(scope=self.scope)
-            runs = candidates.needing_cleanup(
-                ledger_settings.CLEANUP_RUN_BATCH,
-                ledger_settings.MAX_REVERT_ATTEMPTS,
-                ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
+            runs = (
+                EventRun.objects.all()
+                .in_scope(self.scope)
+                .needing_cleanup(
+                    ledger_settings.CLEANUP_RUN_BATCH,
+                    ledger_settings.MAX_REVERT_ATTEMPTS,
+                    ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
+                )
             )
         plans = {r.pk: plan_run(r, reset_attempts=human) for r in runs}
         if self.as_json:
