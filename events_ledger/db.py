@@ -180,7 +180,8 @@ def _retry_statement(
     # Inside one, the transaction's owner must retry it.
     conn = context["connection"]
     return _deadlock_retried(
-        lambda: execute(sql, params, many, context), lambda: not conn.in_atomic_block
+        lambda: execute(sql, params, many, context),
+        lambda: not conn.in_atomic_block and not _in_trips(conn),
     )
 
 
@@ -220,6 +221,137 @@ def in_transaction(fn: Callable[[], T], *, using: str = "default", tries: int = 
             return fn()
 
     return _deadlock_retried(run, lambda: not outer, tries)
+
+
+# ── a transaction in few round trips ──
+
+#: A statement with its parameters, as ``cursor.execute`` takes them.
+Statement = tuple[str, "tuple[Any, ...] | list[Any]"]
+
+#: Connections (by thread: Django's are per thread) in a transaction ``in_trips`` opened.
+_trips = threading.local()
+
+
+def _in_trips(conn: Any) -> bool:
+    return getattr(_trips, "conn", None) is conn
+
+
+def sends_together(using: str = "default") -> bool:
+    """Whether this connection can take several statements in one round trip.
+
+    MySQL and MariaDB through mysqlclient can: its connections accept statements
+    separated by semicolons (``multi_statements``, on unless a host's ``OPTIONS`` turn
+    it off) and answer each one's result in turn. Not inside a transaction Django opened,
+    whose boundaries are Django's to send. A small step's cost is round trips, not work:
+    a transaction of four statements that takes seven trips through Django's ``atomic``
+    (autocommit off, four statements, commit, autocommit on) takes one this way.
+    """
+    conn = connections[using]
+    options = conn.settings_dict.get("OPTIONS") or {}
+    return (
+        conn.vendor == "mysql"
+        and options.get("multi_statements", True) is not False
+        and not conn.in_atomic_block
+        and not _in_trips(conn)
+    )
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One statement's result in a trip: the rows it counts (matched rows for an
+    UPDATE, as ``QuerySet.update()`` answers them) and the rows a SELECT read."""
+
+    rowcount: int
+    rows: list[tuple[Any, ...]]
+
+
+class Trips:
+    """The open transaction of ``in_trips``: ``send`` sends statements, the first
+    trip opening the transaction, ``commit=True`` closing it in the same trip."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self.begun = False
+        self.ended = False
+
+    def send(self, statements: list[Statement], *, commit: bool = False) -> list[Answer]:
+        """Send ``statements`` in one round trip; answers each one's result, in order."""
+        assert not self.ended, "the transaction has ended"
+        parts = [sql for sql, _ in statements]
+        params = [p for _, values in statements for p in values]
+        lead = 0 if self.begun else 1
+        if lead:
+            parts.insert(0, "START TRANSACTION")
+        if commit:
+            parts.append("COMMIT")
+        self.begun = True
+        answers: list[Answer] = []
+        conn = self._conn
+        with conn.cursor() as cursor:
+            # Through Django's cursor, so execute wrappers (the tests' counters) see it.
+            cursor.execute(";\n".join(parts), params)
+            raw = cursor.cursor
+            with conn.wrap_database_errors:
+                # A statement that fails ends the trip; its error is raised here (by
+                # ``nextset``), after the results of those that went before it.
+                while True:
+                    rows = list(raw.fetchall()) if raw.description else []
+                    answers.append(Answer(max(int(raw.rowcount), 0), rows))
+                    if not raw.nextset():
+                        break
+        if commit:
+            self.ended = True
+        return answers[lead : lead + len(statements)]
+
+    def commit(self) -> None:
+        if self.begun and not self.ended:
+            self.send([], commit=True)
+        self.ended = True
+
+    def rollback(self) -> None:
+        if not self.begun or self.ended:
+            return
+        self.ended = True
+        try:
+            with self._conn.cursor() as cursor:
+                cursor.execute("ROLLBACK")
+        except Exception:
+            # The connection is broken: the server rolls the transaction back when it
+            # closes, and Django replaces a connection found unusable.
+            self._conn.close_if_unusable_or_obsolete()
+
+
+def in_trips(fn: Callable[[Trips], T], *, using: str = "default", tries: int = 5) -> T:
+    """Run ``fn`` as one transaction whose statements it sends a trip at a time
+    (``Trips.send``); committed when ``fn`` returns unless it committed already, rolled
+    back when it raises. Only where ``sends_together()`` says so.
+
+    A deadlock victim (or a write Galera's certification refused at ``COMMIT``) is run
+    again from the start, as ``in_transaction`` does. No statement inside is retried on
+    its own (the execute wrapper of ``statements_retried`` stands aside): after a
+    deadlock the transaction's earlier statements are gone too, and a ``COMMIT`` sent
+    again would commit an empty transaction and answer success.
+
+    Django does not know of this transaction: ``fn`` must send every statement through
+    ``trips`` or plain cursors, never open ``atomic`` or register ``on_commit``.
+    """
+    conn = connections[using]
+    assert sends_together(using), "in_trips needs a MySQL connection outside a transaction"
+
+    def attempt() -> T:
+        trips = Trips(conn)
+        _trips.conn = conn
+        try:
+            out = fn(trips)
+            trips.commit()
+            return out
+        except BaseException:
+            trips.rollback()
+            raise
+        finally:
+            _trips.conn = None
+
+    return _deadlock_retried(attempt, lambda: True, tries)
 
 
 # ── statements compiled once ──
@@ -319,6 +451,13 @@ class Prepared:
         with transaction.mark_for_rollback_on_error(using=using), conn.cursor() as cursor:
             cursor.execute(compiled.sql, self._params(compiled, values))
             return int(cursor.rowcount)
+
+    def statement(self, queryset: models.QuerySet[Any], *fixed: Any, **values: Any) -> Statement:
+        """The statement with these values, unsent: for ``Trips.send``. Its answer there
+        is what ``update()`` or ``rows()`` would answer, less the SELECT's converters."""
+        conn = connections[queryset.db]
+        compiled = self._compiled(queryset, conn, fixed)
+        return compiled.sql, self._params(compiled, values)
 
     def _params(self, compiled: _Compiled, values: dict[str, Any]) -> tuple[Any, ...]:
         params = list(compiled.params)

@@ -11,7 +11,16 @@ from django.db import connection
 
 from . import signals
 from .conf import ledger_settings
-from .db import bounded, in_transaction, statements_retried, storable, storable_json
+from .db import (
+    Trips,
+    bounded,
+    in_transaction,
+    in_trips,
+    sends_together,
+    statements_retried,
+    storable,
+    storable_json,
+)
 from .deadline import CallResult, call_with_deadline
 from .envelopes import (
     MAX_REF,
@@ -297,7 +306,9 @@ class _Begun:
 def _claim_and_execute(step_id: int) -> StepResult:
     # Durable moment 1 (rule 1): the claim and the placeholder with its dirty mark (or
     # the verdict of a step that may not run) commit together, before any module call.
-    begun = in_transaction(lambda: _begin(step_id))
+    begun = _begin_in_one_trip(step_id) if sends_together() else None
+    if begun is None:
+        begun = in_transaction(lambda: _begin(step_id))
     if isinstance(begun, StepResult):
         return begun
     keeper.hold(begun.token, step_id)
@@ -356,6 +367,66 @@ def _begin(step_id: int) -> _Begun | StepResult:
         error = "its placeholder is being given back by a cleanup; not performed"
         return _settle(step, token, StepResult("retry", error=error))
     return _Begun(token, step, run, action, placeholder_id)
+
+
+def _begin_in_one_trip(step_id: int) -> _Begun | StepResult | None:
+    """``_begin`` for the common case, where the connection sends several statements in
+    one round trip (``db.sends_together``): a ``ledger`` action that may run, on a run
+    that has not ended. Its transaction (the dirty mark, the claim, the placeholder
+    inserted only under that claim, the placeholder's id, COMMIT) is one trip after the
+    step's read, against seven through ``atomic``. Answers None for ``_begin`` to decide
+    whatever else: another case, or a claim this one lost (nothing of it is written but
+    the dirty mark, which ``_begin`` would write the same)."""
+    step = EventRunStep.objects.with_run(step_id)
+    if step is None:
+        return None  # ``_begin`` says so
+    run, action = step.run, registry.action(step.action_id)
+    if (
+        action is None
+        or action.reversible != "ledger"
+        or action.id == LEASE_ACTION_ID
+        or not callable(action.perform)
+        or run.status in EventRun.TERMINAL
+        or step.attempts >= ledger_settings.MAX_STEP_ATTEMPTS
+    ):
+        return None
+    bind(run_id=run.pk, action=step.action_id, owner=action.owner)  # #15
+    seen = step.attempts
+    token, claim = EventRunStep.objects.claim_statement(
+        step, ledger_settings.STEP_CLAIM_TTL, process_name(), attempts=seen
+    )
+    statements = []
+    if run.cleanup_status in (CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE):
+        # The run's row first, before the claim (see ``_begin``).
+        statements.append(
+            EventRun.objects.cleanup_status_statement(
+                run.pk,
+                CleanupStatus.PENDING,
+                only_from=[CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE],
+            )
+        )
+    statements.append(claim)
+    statements += EventRunResource.objects.placeholder_statements(
+        run.pk,
+        step,
+        action.owner,
+        step.idempotency_key,
+        {"action": action.id, "phase": step.phase, "seq": step.seq},
+        token,
+    )
+
+    def send(trips: Trips) -> tuple[int, list[tuple[Any, ...]]]:
+        *_, claimed, _inserted, live = trips.send(statements, commit=True)
+        return claimed.rowcount, live.rows
+
+    claimed, live = in_trips(send)
+    if claimed != 1:
+        return None
+    step.status, step.claim_token, step.attempts = StepStatus.RUNNING, token, seen + 1
+    if not live:
+        error = "its placeholder is being given back by a cleanup; not performed"
+        return _settle(step, token, StepResult("retry", error=error))
+    return _Begun(token, step, run, action, int(live[0][0]))
 
 
 def _claim(step: EventRunStep) -> str | None:
@@ -429,6 +500,10 @@ def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
     """Durable moment 2: the answer's rows, the placeholder's resolution, the step's
     outcome and its log line commit together. When that transaction fails, nothing of
     the answer is on the ledger, the placeholder stays, and the outcome is written alone."""
+    if not late and sends_together():
+        done = _finish_in_two_trips(b, call)
+        if done is not None:
+            return done
     recorded: list[RecordResult] = []
     try:
         result = in_transaction(lambda: _settle_answer(b, call, recorded, late=late))
@@ -442,6 +517,50 @@ def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
     if recorded:
         _dirty_after(b.run, recorded[-1])
     return result
+
+
+def _finish_in_two_trips(b: _Begun, call: CallResult) -> StepResult | None:
+    """``_finish`` for the common case, where the connection sends several statements in
+    one round trip (``db.sends_together``): a ``ledger`` action answered ``ok`` with
+    every entry readable, in one INSERT. The outcome (fenced by the claim), the rows and
+    the placeholder's resolution go in one trip, and COMMIT in a second when all three
+    did what they would when every row goes in. Anything else (the claim taken over, a
+    target held, an error) is rolled back whole and answered None: ``_settle_answer``
+    then does it all again and words what happened, as if this had not been tried."""
+    if call.error is not None or not is_success(call.value) or b.placeholder_id is None:
+        return None
+    answer = _parse(b.action, call.value.get("resources"))
+    if not answer.ledgered or answer.rejected:
+        return None
+    rows = list(answer.rows.values())
+    statements = [EventRunStep.objects.settle_statement(b.step, b.token, StepStatus.DONE)]
+    if rows:
+        insert = EventRunResource.objects.record_statement(b.run, b.step, b.action.owner, rows)
+        if insert is None:
+            return None
+        statements.append(insert)
+    statements.append(EventRunResource.objects.resolve_statement(b.placeholder_id))
+
+    class _NotAsExpected(Exception):
+        pass
+
+    # The outcome written under the claim, every row in, the placeholder resolved.
+    expected = [1, len(rows), 1] if rows else [1, 1]
+
+    def send(trips: Trips) -> None:
+        if [answer.rowcount for answer in trips.send(statements)] != expected:
+            raise _NotAsExpected  # rolled back by ``in_trips``
+
+    try:
+        in_trips(send)
+    except _NotAsExpected:
+        return None
+    except Exception:
+        # Rolled back (or its COMMIT's answer lost): the general path writes it all
+        # again, or, failing too, the outcome alone, as it does for its own failures.
+        logger.warning("step %s: recording in two trips failed", b.step.pk, exc_info=True)
+        return None
+    return StepResult("done", recorded=len(rows))
 
 
 def _settle_answer(

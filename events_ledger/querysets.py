@@ -31,7 +31,15 @@ from django.db.models import (
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Greatest
 
-from .db import Prepared, UtcNow, chunked, is_unique_violation, retrying_deadlocks, storable
+from .db import (
+    Prepared,
+    Statement,
+    UtcNow,
+    chunked,
+    is_unique_violation,
+    retrying_deadlocks,
+    storable,
+)
 from .states import (
     HELD,
     LIVE,
@@ -145,6 +153,13 @@ class EventRunQuerySet(models.QuerySet):
         """Set ``cleanup_status``, from the given statuses only when named."""
         only = None if only_from is None else tuple(only_from)
         return _SET_CLEANUP_STATUS.update(self, only, run=_pk(run), status=status) == 1
+
+    def cleanup_status_statement(
+        self, run: Any, status: str, only_from: Iterable[str] | None = None
+    ) -> Statement:
+        """``set_cleanup_status`` as a statement, for ``db.in_trips``."""
+        only = None if only_from is None else tuple(only_from)
+        return _SET_CLEANUP_STATUS.statement(self, only, run=_pk(run), status=status)
 
     def _derived_cleanup_status(self, max_attempts: int, max_claims: int) -> Case:
         rows = _manager(self.model, "resources").filter(run=OuterRef("pk"))
@@ -411,6 +426,16 @@ class EventRunStepQuerySet(models.QuerySet):
             won = _CLAIM_AT.update(self, ttl, step=_pk(step), token=token, by=by, attempts=attempts)
         return token if won == 1 else None
 
+    def claim_statement(
+        self, step: Any, ttl: timedelta, by: str | None, *, attempts: int
+    ) -> tuple[str, Statement]:
+        """``claim(..., attempts=)`` as a statement, for ``db.in_trips``: the token it
+        writes, and the statement (won when it counts one row)."""
+        token = new_token()
+        return token, _CLAIM_AT.statement(
+            self, ttl, step=_pk(step), token=token, by=by, attempts=attempts
+        )
+
     def attempts_of(self, step: Any) -> int:
         rows = _ATTEMPTS.rows(self, step=_pk(step))
         if not rows:
@@ -436,6 +461,13 @@ class EventRunStepQuerySet(models.QuerySet):
         claim can take the step before the caller commits."""
         text = None if error is None else storable(error, 2000)
         return _SETTLE.update(self, step=_pk(step), token=token, status=status, error=text) == 1
+
+    def settle_statement(
+        self, step: Any, token: str, status: str, error: str | None = None
+    ) -> Statement:
+        """``settle`` as a statement, for ``db.in_trips`` (won when it counts one row)."""
+        text = None if error is None else storable(error, 2000)
+        return _SETTLE.statement(self, step=_pk(step), token=token, status=status, error=text)
 
     def reword(self, step: Any, token: str, status: str, error: str | None) -> bool:
         """Correct the error text of the outcome ``settle`` wrote under the caller's claim
@@ -483,6 +515,23 @@ class GroupClaim:
     def ids(self) -> list[int]:
         return [r.pk for r in self.rows]
 
+
+#: The columns ``_inserts`` writes, in its order.
+_INSERTED_COLUMNS = (
+    "run_id",
+    "step_id",
+    "owner_module",
+    "kind",
+    "ref",
+    "payload",
+    "lease_until",
+    "member_key",
+    "status",
+    "revert_attempts",
+    "claim_count",
+    "created_at",
+    "updated_at",
+)
 
 _LIVE_PLACEHOLDER = Prepared(
     lambda base, *, owner, key, run: (
@@ -616,27 +665,47 @@ class EventRunResourceQuerySet(models.QuerySet):
         for."""
         if not rows:
             return 0, None
+        conn = connections[self.db]
+        one = len(rows) == 1
+        inserted, last_id = 0, None
+        with conn.cursor() as cursor:
+            for sql, params, returning in self._inserts(conn, run, step, owner, rows, status):
+                cursor.execute(sql, params)
+                if returning:
+                    found = cursor.fetchone()
+                    last_id = found[0] if found else None
+                    inserted += 1 if found else 0
+                    continue
+                # Rows inserted; the ones the unique key skipped count 0 on every backend.
+                count = max(cursor.rowcount, 0)
+                inserted += count
+                if one and count:
+                    last_id = cursor.lastrowid
+        return inserted, last_id
+
+    def _inserts(
+        self,
+        conn: Any,
+        run: Any,
+        step: Any,
+        owner: str,
+        rows: Sequence[Mapping[str, Any]],
+        status: str,
+        *,
+        under_claim: str | None = None,
+    ) -> list[tuple[str, list[Any], bool]]:
+        """The INSERT statements of ``_insert_ignoring_held``: (sql, params, whether it
+        answers the new id with RETURNING), one per chunk of rows.
+
+        ``under_claim`` (one row, MySQL only): the row goes in only while the step's
+        claim is that token, decided by the statement itself (an ``INSERT … SELECT``
+        from the step), for a transaction sent in one trip, where no answer can be
+        read between the claim and the insert."""
         from django.core.serializers.json import DjangoJSONEncoder
         from django.utils import timezone
 
-        conn = connections[self.db]
         ops = conn.ops
         table = ops.quote_name(self.model._meta.db_table)
-        columns = (
-            "run_id",
-            "step_id",
-            "owner_module",
-            "kind",
-            "ref",
-            "payload",
-            "lease_until",
-            "member_key",
-            "status",
-            "revert_attempts",
-            "claim_count",
-            "created_at",
-            "updated_at",
-        )
         now = ops.adapt_datetimefield_value(timezone.now())
         # What every row shares is bound once per row as SQL literals the app made
         # itself (whole numbers, a fixed status); only the module's values are escaped.
@@ -668,29 +737,70 @@ class EventRunResourceQuerySet(models.QuerySet):
         else:
             head, tail = "INSERT INTO", " ON CONFLICT DO NOTHING"
             returning = " RETURNING id" if one else ""
-        per_row = f"({fixed}, %s, %s, %s, %s, %s, %s, '{status}', 0, 0, %s, %s)"
-        chunk = max(1, 999 // 8) if conn.vendor == "sqlite" else 1000
-        names = ", ".join(ops.quote_name(c) for c in columns)
-        inserted, last_id = 0, None
-        with conn.cursor() as cursor:
-            for start in range(0, len(values), chunk):
-                part = values[start : start + chunk]
-                cursor.execute(
-                    f"{head} {table} ({names}) VALUES {', '.join([per_row] * len(part))}"
-                    f"{tail}{returning}",
-                    [v for row in part for v in (*row, row[-1])],
+        row_sql = f"{fixed}, %s, %s, %s, %s, %s, %s, '{status}', 0, 0, %s, %s"
+        names = ", ".join(ops.quote_name(c) for c in _INSERTED_COLUMNS)
+        if under_claim is not None:
+            assert one and step_id is not None and conn.vendor == "mysql"
+            steps = ops.quote_name(self.model._meta.get_field("step").related_model._meta.db_table)
+            return [
+                (
+                    f"{head} {table} ({names}) SELECT {row_sql} FROM {steps} "
+                    f"WHERE {ops.quote_name('id')} = {step_id} "
+                    f"AND {ops.quote_name('claim_token')} = %s",
+                    [*values[0], values[0][-1], under_claim],
+                    False,
                 )
-                if returning:
-                    found = cursor.fetchone()
-                    last_id = found[0] if found else None
-                    inserted += 1 if found else 0
-                    continue
-                # Rows inserted; the ones the unique key skipped count 0 on every backend.
-                count = max(cursor.rowcount, 0)
-                inserted += count
-                if one and count:
-                    last_id = cursor.lastrowid
-        return inserted, last_id
+            ]
+        chunk = max(1, 999 // 8) if conn.vendor == "sqlite" else 1000
+        return [
+            (
+                f"{head} {table} ({names}) VALUES "
+                f"{', '.join([f'({row_sql})'] * len(values[start : start + chunk]))}"
+                f"{tail}{returning}",
+                [v for row in values[start : start + chunk] for v in (*row, row[-1])],
+                bool(returning),
+            )
+            for start in range(0, len(values), chunk)
+        ]
+
+    # ── statements for a transaction sent in few trips (``db.in_trips``) ──
+
+    def placeholder_statements(
+        self, run: Any, step: Any, owner: str, key: str, payload: Mapping[str, Any], token: str
+    ) -> list[Statement]:
+        """``reserve_placeholder`` as two statements sent with the step's claim: the
+        ``@step`` row, inserted only while the claim is ``token``; then the live
+        placeholder's id (this one, or the one this step's earlier attempt wrote)."""
+        conn = connections[self.db]
+        [(sql, params, _)] = self._inserts(
+            conn,
+            run,
+            step,
+            owner,
+            [{"kind": STEP_KIND, "ref": key, "payload": payload}],
+            ResourceStatus.PENDING,
+            under_claim=token,
+        )
+        return [
+            (sql, params),
+            _LIVE_PLACEHOLDER.statement(self, owner=owner, key=key, run=_pk(run)),
+        ]
+
+    def record_statement(
+        self, run: Any, step: Any, owner: str, rows: Sequence[Mapping[str, Any]]
+    ) -> Statement | None:
+        """``bulk_record`` as one statement, or None when the rows take several."""
+        inserts = self._inserts(
+            connections[self.db], run, step, owner, rows, ResourceStatus.CONFIRMED
+        )
+        if len(inserts) != 1:
+            return None
+        [(sql, params, _)] = inserts
+        return sql, params
+
+    def resolve_statement(self, pk: Any) -> Statement:
+        """``resolve_placeholder`` as a statement."""
+        return _RESOLVE_PLACEHOLDER.statement(self, row=_pk(pk))
 
     def held_by(self, owner: str, kind: str, ref: str) -> Holder | None:
         found = (

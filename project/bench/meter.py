@@ -28,8 +28,11 @@ class Counts:
     commits: int = 0
     #: Commits that wrote something (a read-only commit flushes nothing).
     writing_commits: int = 0
-    #: BEGIN, SAVEPOINT, RELEASE SAVEPOINT, ROLLBACK TO SAVEPOINT, SET sent as SQL.
+    #: BEGIN, SAVEPOINT, RELEASE SAVEPOINT, ROLLBACK TO SAVEPOINT, SET sent as SQL; and
+    #: START TRANSACTION, COMMIT and ROLLBACK sent in a trip of several statements.
     control: int = 0
+    #: Calls of ``execute``: one round trip each, however many statements it carries.
+    round_trips: int = 0
 
     def __iadd__(self, other: Counts) -> Counts:
         self.seconds += other.seconds
@@ -37,6 +40,7 @@ class Counts:
         self.commits += other.commits
         self.writing_commits += other.writing_commits
         self.control += other.control
+        self.round_trips += other.round_trips
         return self
 
 
@@ -58,20 +62,42 @@ class Meter:
         self._lock = threading.Lock()
         #: Connections whose open transaction has written (by id of the wrapper).
         self._dirty: set[int] = set()
+        #: Connections in a transaction opened by a trip's START TRANSACTION.
+        self._manual: set[int] = set()
 
     def statement(self, db: Any, sql: str) -> None:
-        verb = sql.lstrip()[:10].upper()
-        writes = not verb.startswith(("SELECT", "EXPLAIN", "PRAGMA", "SHOW", "WITH"))
         with self._lock:
-            if verb.startswith(_CONTROL):
-                self.counts.control += 1
-                return
-            self.counts.statements += 1
-            if not db.in_atomic_block and db.get_autocommit():
+            self.counts.round_trips += 1
+            # A trip of several statements (``db.in_trips`` on MySQL) is read one by one:
+            # its START TRANSACTION opens a transaction Django does not know of, its
+            # COMMIT is that transaction's one commit.
+            for part in sql.split(";\n") if ";\n" in sql else [sql]:
+                self._one(db, part.lstrip()[:17].upper())
+
+    def _one(self, db: Any, verb: str) -> None:
+        key = id(db)
+        if verb.startswith("START TRANSACTION"):
+            self.counts.control += 1
+            self._manual.add(key)
+            return
+        if key in self._manual and verb.startswith(("COMMIT", "ROLLBACK")):
+            self.counts.control += 1
+            self._manual.discard(key)
+            if verb.startswith("COMMIT"):
                 self.counts.commits += 1
-                self.counts.writing_commits += writes
-            elif writes:
-                self._dirty.add(id(db))
+                self.counts.writing_commits += key in self._dirty
+            self._dirty.discard(key)
+            return
+        if verb.startswith(_CONTROL):
+            self.counts.control += 1
+            return
+        writes = not verb.startswith(("SELECT", "EXPLAIN", "PRAGMA", "SHOW", "WITH"))
+        self.counts.statements += 1
+        if key not in self._manual and not db.in_atomic_block and db.get_autocommit():
+            self.counts.commits += 1
+            self.counts.writing_commits += writes
+        elif writes:
+            self._dirty.add(key)
 
     def commit(self, db: Any) -> None:
         with self._lock:

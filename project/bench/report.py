@@ -63,8 +63,8 @@ def text(doc: dict[str, Any]) -> str:
             f"{title}, {_steps(doc)} per run"
             + (":" if per == "step" else ", the runs ended (ledger: sweep passes until done):"),
             f"{'resources/step':>14}{'runs':>6}  {'way':<8}{'resources/s':>12}"
-            f"{'statements/resource':>21}{f'commits/{per}':>14}{'of which wrote':>16}"
-            f"{'ledger/per-row':>16}",
+            f"{'statements/resource':>21}{f'trips/{per}':>12}{f'commits/{per}':>14}"
+            f"{'of which wrote':>16}{'ledger/per-row':>16}",
         ]
         for shape in doc["shapes"]:
             for way, label in WAYS:
@@ -73,6 +73,7 @@ def text(doc: dict[str, Any]) -> str:
                 lines.append(
                     f"{shape['resources_per_step']:>14}{shape['runs']:>6}  {label:<8}"
                     f"{f['per_s']:>12,.0f}{f['statements_per_resource']:>21.3f}"
+                    f"{f.get(f'round_trips_per_{per}', 0.0):>12.2f}"
                     f"{f[f'commits_per_{per}']:>14.2f}{f[f'writing_commits_per_{per}']:>16.2f}"
                     f"{ratio:>16}"
                 )
@@ -160,6 +161,11 @@ def markdown(docs: list[dict[str, Any]]) -> str:
                 label,
                 f"{title}, statements/resource",
                 [_pair(s, leg, "statements_per_resource", ".2f") for s in shapes],
+            )
+            row(
+                label,
+                f"{title}, round trips/{per}",
+                [_pair(s, leg, f"round_trips_per_{per}", ".2f") for s in shapes],
             )
             row(
                 label,

@@ -148,6 +148,8 @@ def _figures(counts: Counts, resources: int, per: str, units: int) -> dict[str, 
         "commits": counts.commits,
         "writing_commits": counts.writing_commits,
         "transaction_control": counts.control,
+        "round_trips": counts.round_trips,
+        f"round_trips_per_{per}": counts.round_trips / units,
         f"commits_per_{per}": counts.commits / units,
         f"writing_commits_per_{per}": counts.writing_commits / units,
     }

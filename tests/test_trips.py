@@ -1,0 +1,290 @@
+"""A transaction sent in few round trips (``db.in_trips``, issue #12), and the step that
+uses it on MySQL/MariaDB: what it answers, that it is all or nothing, that it is retried
+from the start and never a statement alone, and that every case it does not take is left
+to the general path with the same outcome on the ledger.
+
+The trip tests need MySQL/MariaDB (elsewhere ``sends_together()`` is False, which one test
+says); the step tests run on every database, and on MySQL/MariaDB they go through trips
+(every one is a ``transaction=True`` test: inside a test's transaction there are none)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from django.db import OperationalError, connection, connections
+
+from events_ledger import Action
+from events_ledger.db import in_trips, sends_together, statements_retried
+from events_ledger.ledger import execute_step
+from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
+from tests.helpers import new_run, new_step
+
+Res = EventRunResource.objects
+world = pytest.mark.django_db(transaction=True)
+mysql_only = pytest.mark.skipif(
+    "connection.vendor != 'mysql'", reason="several statements a trip: MySQL/MariaDB only"
+)
+
+
+def _table() -> str:
+    return connection.ops.quote_name(EventRun._meta.db_table)
+
+
+def _insert_run(name: str) -> tuple[str, list[str]]:
+    return (
+        f"INSERT INTO {_table()} (name, status, cleanup_status, scope, created_at, "
+        "updated_at) VALUES (%s, 'running', 'not_required', '', UTC_TIMESTAMP(6), "
+        "UTC_TIMESTAMP(6))",
+        [name],
+    )
+
+
+def _seen_elsewhere(name: str) -> bool:
+    """Whether another connection sees a run of that name: committed, not only written."""
+    found: list[bool] = []
+
+    def look() -> None:
+        try:
+            found.append(EventRun.objects.filter(name=name).exists())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=look)
+    thread.start()
+    thread.join()
+    return found[0]
+
+
+@world
+def test_only_mysql_sends_several_statements_a_trip():  # #12
+    assert sends_together() is (connection.vendor == "mysql")
+
+
+@world
+@mysql_only
+def test_a_trip_answers_each_statement_and_commits_with_its_last():  # #12
+    sql, params = _insert_run("trip-a")
+    count = f"SELECT COUNT(*) FROM {_table()} WHERE name = %s"
+
+    def fn(trips):
+        return trips.send([(sql, params), (count, ["trip-a"])], commit=True)
+
+    inserted, counted = in_trips(fn)
+    assert inserted.rowcount == 1 and counted.rows == [(1,)]
+    assert _seen_elsewhere("trip-a")
+    assert not connection.in_atomic_block and connection.get_autocommit()
+
+
+@world
+@mysql_only
+def test_a_statement_that_fails_rolls_the_whole_trip_back():  # #12, rule 1
+    sql, params = _insert_run("trip-b")
+
+    def fn(trips):
+        trips.send([(sql, params), ("SELECT no_such_column FROM " + _table(), [])])
+
+    with pytest.raises(Exception, match="no_such_column"):
+        in_trips(fn)
+    assert not _seen_elsewhere("trip-b")
+    # The connection is usable, and in autocommit again: what it writes next commits.
+    EventRun.objects.create(name="trip-b-after")
+    assert _seen_elsewhere("trip-b-after") and not _seen_elsewhere("trip-b")
+
+
+@world
+@mysql_only
+def test_a_refused_commit_runs_the_whole_transaction_again_never_the_commit_alone():  # #12
+    """A deadlock victim or a write Galera's certification refuses at COMMIT has lost the
+    whole transaction. Retrying the COMMIT alone would commit an empty transaction and
+    answer success, losing what the trip wrote: the transaction is run again instead."""
+    sql, params = _insert_run("trip-c")
+    refused: list[str] = []
+    runs: list[int] = []
+
+    def refuse_first_commit(execute, query, args, many, context):
+        if query.strip() == "COMMIT" and not refused:
+            refused.append(query)
+            execute("ROLLBACK", None, many, context)  # what the server did to it
+            raise OperationalError(1213, "Deadlock found when trying to get lock")
+        return execute(query, args, many, context)
+
+    def fn(trips):
+        runs.append(1)
+        trips.send([(sql, params)])  # COMMIT is sent on its own, after
+
+    with statements_retried(), connection.execute_wrapper(refuse_first_commit):
+        in_trips(fn)
+    assert refused and len(runs) == 2
+    assert EventRun.objects.filter(name="trip-c").count() == 1
+    assert _seen_elsewhere("trip-c")
+
+
+# ── the step through trips, and every case it leaves to the general path ──
+
+
+def _action(isolated_registry, perform) -> Action:
+    action = Action(
+        id="t.trip",
+        owner="t",
+        reversible="ledger",
+        perform=perform,
+        revert=lambda **kw: {"ok": True},
+    )
+    isolated_registry.register_action(action)
+    return action
+
+
+def _placeholder(step: EventRunStep) -> EventRunResource:
+    return Res.get(run=step.run_id, kind=STEP_KIND, ref=step.idempotency_key)
+
+
+@world
+def test_a_clean_step_records_its_rows_and_resolves_its_placeholder(
+    isolated_registry,
+):  # W2, W3, W5
+    def perform(*, run_id, params, idempotency_key):
+        return {
+            "ok": True,
+            "resources": [{"kind": "thing", "ref": f"{idempotency_key}-{i}"} for i in range(3)],
+        }
+
+    _action(isolated_registry, perform)
+    run = new_run()
+    step = new_step(run, "t.trip")
+    result = execute_step(step)
+    assert (result.outcome, result.recorded, result.rejected) == ("done", 3, [])
+    step.refresh_from_db()
+    run.refresh_from_db()
+    assert (step.status, step.attempts, step.last_error) == ("done", 1, None)
+    assert run.cleanup_status == "pending"
+    assert _placeholder(step).status == "reverted"
+    assert Res.filter(run=run, kind="thing", status="confirmed").count() == 3
+
+
+@world
+def test_a_step_whose_claim_is_held_answers_busy_and_writes_nothing(isolated_registry):  # W5
+    calls: list[str] = []
+    _action(isolated_registry, lambda **kw: calls.append(kw["idempotency_key"]) or {"ok": True})
+    run = new_run()
+    step = new_step(run, "t.trip")
+    assert EventRunStep.objects.claim(step, timedelta(minutes=5), by="elsewhere:1") is not None
+    result = execute_step(step)
+    assert result.outcome == "busy" and calls == []
+    assert not Res.filter(run=run, kind=STEP_KIND).exists()
+    step.refresh_from_db()
+    assert step.attempts == 1  # the other claim's, not this one's
+
+
+@world
+def test_a_placeholder_being_given_back_is_not_performed_under(isolated_registry):  # W2, R5
+    calls: list[str] = []
+    _action(isolated_registry, lambda **kw: calls.append(kw["idempotency_key"]) or {"ok": True})
+    run = new_run()
+    step = new_step(run, "t.trip")
+    Res.create(
+        run=run,
+        step=step,
+        owner_module="t",
+        kind=STEP_KIND,
+        ref=step.idempotency_key,
+        status="reverting",
+    )
+    result = execute_step(step)
+    assert result.outcome == "retry" and "being given back" in result.error
+    assert calls == []
+    step.refresh_from_db()
+    assert step.status == "pending"
+
+
+@world
+def test_a_target_held_by_another_run_keeps_the_placeholder_and_says_who(
+    isolated_registry,
+):  # W3
+    _action(
+        isolated_registry,
+        lambda **kw: {
+            "ok": True,
+            "resources": [{"kind": "thing", "ref": "mine"}, {"kind": "thing", "ref": "taken"}],
+        },
+    )
+    other = new_run("other")
+    Res.create(run=other, owner_module="t", kind="thing", ref="taken", status="confirmed")
+    run = new_run()
+    step = new_step(run, "t.trip")
+    result = execute_step(step)
+    assert result.outcome == "done" and result.recorded == 1
+    assert any(f"held by run {other.pk}" in r for r in result.rejected)
+    step.refresh_from_db()
+    assert step.status == "done" and f"held by run {other.pk}" in step.last_error
+    assert _placeholder(step).status == "pending"  # cleanup gives back all the key made
+    assert Res.filter(run=run, kind="thing", ref="mine", status="confirmed").exists()
+    assert EventRunLog.objects.filter(run=run, kind="step.done").exists()
+
+
+@world
+def test_a_claim_taken_over_during_the_call_keeps_the_rows_and_the_placeholder(
+    isolated_registry,
+):  # W3, W5, in flight
+    def perform(*, run_id, params, idempotency_key):
+        # This process stalled past the TTL: another worker's claim took the step.
+        EventRunStep.objects.filter(idempotency_key=idempotency_key).update(
+            claim_token="someone-else"
+        )
+        return {"ok": True, "resources": [{"kind": "thing", "ref": "made"}]}
+
+    _action(isolated_registry, perform)
+    run = new_run()
+    step = new_step(run, "t.trip")
+    result = execute_step(step)
+    assert result.outcome == "done"
+    step.refresh_from_db()
+    assert step.status == "running" and step.claim_token == "someone-else"  # not written
+    assert Res.filter(run=run, kind="thing", ref="made", status="confirmed").exists()
+    assert _placeholder(step).status == "pending"  # the newer call runs under it
+    run.refresh_from_db()
+    assert run.cleanup_status == "pending"
+
+
+@world
+def test_an_answer_of_more_rows_than_one_insert_takes_is_recorded_whole(
+    isolated_registry,
+):  # W3, bulk
+    n = 2_500
+
+    def perform(*, run_id, params, idempotency_key):
+        return {"ok": True, "resources": [{"kind": "thing", "ref": f"r{i}"} for i in range(n)]}
+
+    _action(isolated_registry, perform)
+    run = new_run()
+    step = new_step(run, "t.trip")
+    result = execute_step(step)
+    assert (result.outcome, result.recorded) == ("done", n)
+    assert Res.filter(run=run, kind="thing", status="confirmed").count() == n
+    assert _placeholder(step).status == "reverted"
+
+
+@world
+def test_a_step_of_an_ended_run_is_failed_without_a_call(isolated_registry):  # W5
+    calls: list[str] = []
+    _action(isolated_registry, lambda **kw: calls.append(kw["idempotency_key"]) or {"ok": True})
+    run = new_run(status="cancelled")
+    step = new_step(run, "t.trip")
+    result = execute_step(step)
+    assert result.outcome == "failed" and "cancelled" in result.error and calls == []
+    assert not Res.filter(run=run, kind=STEP_KIND).exists()
+
+
+@world
+@mysql_only
+def test_the_bench_reads_a_trip_statement_by_statement():  # bench, #12
+    from project.bench.meter import measured
+
+    sql, params = _insert_run("trip-d")
+    count = f"SELECT COUNT(*) FROM {_table()} WHERE name = %s"
+    with measured() as counts:
+        in_trips(lambda trips: trips.send([(sql, params), (count, ["trip-d"])]))  # COMMIT after
+        in_trips(lambda trips: trips.send([(count, ["trip-d"])], commit=True))  # reads only
+    assert (counts.statements, counts.round_trips) == (3, 3)
+    assert (counts.commits, counts.writing_commits) == (2, 1)
