@@ -956,8 +956,15 @@ def docs_page(request, django_db_setup, django_db_blocker, tmp_path_factory):
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
-    """docs/conftest.py's hook: Sybil collects the pages (``pytest docs``, or one page)."""
-    return PAGES_SYBIL.pytest()(file_path, parent)
+    """docs/conftest.py's hook: Sybil collects the pages (``pytest docs``, or one page). A
+    page's blocks spawn processes (slow) and use a transactional test database, which
+    ``docs_page`` gives them: the marker has pytest-django create it, and run the pages
+    among the transactional tests."""
+    page: pytest.Collector | None = PAGES_SYBIL.pytest()(file_path, parent)
+    if page is not None:
+        page.add_marker(pytest.mark.slow)
+        page.add_marker(pytest.mark.django_db(transaction=True, reset_sequences=True))
+    return page
 
 
 # ── the tests ──
