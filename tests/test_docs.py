@@ -1,9 +1,17 @@
 """Every code block in docs/ is executed or validated (issue 6), so the docs cannot drift.
 
-A small Markdown parser takes the fenced blocks of each page, in order; a page runs as one
-test, in a Django test database (``transaction=True``, sequences reset so the first run is
-run 1), with the demo world clean and the action registry isolated. The block's info
-string says what it is:
+Sybil (https://sybil.readthedocs.io) reads the pages: ``docs/conftest.py`` hands pytest its
+collector, so each ``docs/*.md`` page (not README.md) is a file of the suite and each fenced
+block one test of it, in page order (``pytest docs``, ``pytest docs/cron.md``, ``-k docs``;
+``testpaths`` holds docs/, so every run of the suite runs them). Sybil's Markdown lexers find
+the blocks (``RawFencedCodeBlockLexer``, with the whole info string) and the skip markers
+(``DirectiveInHTMLCommentLexer``); :func:`parse_page` makes each block a :class:`Block` and
+its evaluator hands it to the page's :class:`PageRun`, which does the checking below. A page
+is one unit: its blocks share the ``docs_page`` fixture, one per page, with a Django test
+database (``transaction=True``, sequences reset so the first run is run 1, flushed after the
+page), the demo world clean, the action registry isolated and the settings the page's
+fragments set. A block that fails is the page's failing test; the page's later blocks still
+run. The block's info string says what it is:
 
 ``python``
     Executed; the page's python and pycon blocks share one namespace, in page order.
@@ -30,8 +38,8 @@ prefixes) is run as a real process against the test database (see tests/processe
 with the page's settings fragments and host apps; ``pip install`` is validated against
 pyproject.toml (the package's name and extras), not run. Any other command fails the
 test, except in a shell block marked ``<!-- doctest: skip (why) -->`` on the line before
-it, which is allowed only for commands that need a real systemd or crontab (systemctl,
-journalctl, crontab).
+it (blank lines between are allowed), which is allowed only for commands that need a real
+systemd or crontab (systemctl, journalctl, crontab); another ``doctest:`` comment fails.
 
 ``crontab``
     Each entry: five valid schedule fields (or an @-schedule) and a /bin/sh command whose
@@ -49,7 +57,11 @@ journalctl, crontab).
     example project, read with a bearer token. Both are also checked with ``promtool``
     where the machine has it (rules first: a config names the page's rule files).
 
-A block with no language, or another language, fails the page.
+A block with no language, or another language, fails the page, as do an info string that
+is not ``LANG key=value ...`` and a fence never closed.
+
+The tests in this file check the parts themselves (the parsing, each check failing on a
+wrong block) and what the pages must say (every setting, status, permission).
 """
 
 from __future__ import annotations
@@ -66,6 +78,7 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -73,6 +86,10 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, get_commands, load_command_class
+from django.test import TransactionTestCase, override_settings
+from sybil import Document, Example, Region, Sybil
+from sybil.example import SybilFailure
+from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer, RawFencedCodeBlockLexer
 
 from events_ledger import registry
 from events_ledger.checks import check_settings
@@ -102,10 +119,36 @@ class DocError(AssertionError):
     """A block of the docs does not do what the page says."""
 
 
-# ── the Markdown parser ──
+# ── the pages, read by Sybil ──
 
-FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
-SKIP = re.compile(r"^<!--\s*doctest:\s*skip\s*\((?P<why>[^)]+)\)\s*-->$")
+
+class Fences(RawFencedCodeBlockLexer):
+    """Sybil's lexer of fenced code blocks, with the whole info string. As in CommonMark, a
+    fence closes a block only alone on its line (Sybil's own also takes ```` ```pycon ````);
+    a block never closed is kept, marked, and fails the page."""
+
+    def __init__(self) -> None:
+        super().__init__(info_pattern=re.compile(r"(?P<info>[^\n]*)(?:\n|\Z)"))
+
+    @staticmethod
+    def match_closes_existing(current: re.Match[str], existing: re.Match[str]) -> bool:
+        end = current.string.find("\n", current.end())
+        rest = current.string[current.end() : None if end == -1 else end]
+        return RawFencedCodeBlockLexer.match_closes_existing(current, existing) and not rest.strip()
+
+    def make_region(
+        self, opening: re.Match[str], document: Document, closing: re.Match[str] | None
+    ) -> Region | None:
+        region = super().make_region(opening, document, closing)
+        if region is not None:
+            region.lexemes["closed"] = closing is not None
+        return region
+
+
+FENCES = Fences()
+#: ``<!-- doctest: ... -->``; its arguments must be ``skip (why)``.
+DIRECTIVES = DirectiveInHTMLCommentLexer(directive="doctest")
+SKIP = re.compile(r"skip\s*\((?P<why>[^)]+)\)")
 
 
 @dataclass
@@ -116,61 +159,86 @@ class Block:
     attrs: dict[str, str]
     source: str
     skip: str | None = None  # the reason of a skip marker right above the block
+    problem: str | None = None  # what is wrong with the block as written, found by the parser
 
     @property
     def where(self) -> str:
         return f"docs/{self.page}:{self.line}"
 
 
-def parse_blocks(text: str, page: str = "page.md") -> list[Block]:
-    """The fenced code blocks of a CommonMark page, in order (indented blocks are not
-    used by these docs). An unclosed fence or a malformed info string is an error."""
-    lines = text.splitlines()
-    blocks: list[Block] = []
-    previous = ""  # the last non-blank line outside a block
-    i = 0
-    while i < len(lines):
-        opening = FENCE.match(lines[i])
-        if not opening or (opening["fence"][0] == "`" and "`" in opening["info"]):
-            if lines[i].strip():
-                previous = lines[i].strip()
-            i += 1
-            continue
-        fence, indent, info = opening["fence"], len(opening["indent"]), opening["info"].strip()
-        closing = re.compile(rf"^ {{0,3}}{re.escape(fence[0])}{{{len(fence)},}}\s*$")
-        start, body = i, []
-        i += 1
-        while i < len(lines) and not closing.match(lines[i]):
-            line = lines[i]
-            body.append(line[min(indent, len(line) - len(line.lstrip(" "))) :])
-            i += 1
-        if i == len(lines):
-            raise DocError(f"docs/{page}:{start + 1}: the code fence is never closed")
-        words = shlex.split(info) if info else []
+def parse_page(document: Document) -> Iterator[Region]:
+    """Sybil's parser of a docs page: each fenced block, in order, is one example whose
+    ``parsed`` is a :class:`Block` (with the skip marker right above it, if any) and whose
+    evaluator hands it to the page's :class:`PageRun`. Indented code blocks are not used
+    by these docs. A malformed block is still an example: it fails when it is evaluated."""
+    page = Path(document.path).name
+    fences = list(FENCES(document))
+    markers = [
+        m for m in DIRECTIVES(document) if not any(f.start <= m.start < f.end for f in fences)
+    ]
+    for fence in fences:
+        info = fence.lexemes["info"].strip()
+        problem = None if fence.lexemes["closed"] else "the code fence is never closed"
+        try:
+            words = shlex.split(info)
+        except ValueError as exc:
+            words, problem = [], problem or f"the info string {info!r} does not parse: {exc}"
         attrs: dict[str, str] = {}
         for word in words[1:]:
             key, sep, value = word.partition("=")
             if not sep:
-                raise DocError(f"docs/{page}:{start + 1}: attributes are key=value, not {word!r}")
+                problem = problem or f"attributes are key=value, not {word!r}"
             attrs[key] = value
-        skip = SKIP.match(previous)
-        blocks.append(
-            Block(
-                page,
-                start + 1,
-                words[0] if words else "",
-                attrs,
-                "\n".join(body) + ("\n" if body else ""),
-                skip["why"] if skip else None,
-            )
+        skip = None
+        for marker in markers:
+            # Right above: only the comment's end and blank lines between them.
+            if re.fullmatch(r"-*->\s*", document.text[marker.end : fence.start]):
+                why = SKIP.fullmatch(marker.lexemes["arguments"].strip())
+                if why is None:
+                    problem = problem or (
+                        f"<!-- doctest: {marker.lexemes['arguments']} -->: the one directive "
+                        "is `skip (why)`"
+                    )
+                skip = why["why"] if why else None
+        block = Block(
+            page,
+            document.text.count("\n", 0, fence.start) + 1,
+            words[0] if words else "",
+            attrs,
+            str(fence.lexemes["source"]),
+            skip,
+            problem,
         )
-        previous = ""
-        i += 1
-    return blocks
+        yield Region(fence.start, fence.end, parsed=block, evaluator=evaluate)
+
+
+def evaluate(example: Example) -> str | None:
+    """Sybil's evaluator: the block runs in its page's :class:`PageRun` (the ``docs_page``
+    fixture); what the page says wrongly comes back as the example's failure."""
+    try:
+        example.namespace["docs_page"].run(example.parsed)
+    except DocError as exc:
+        return str(exc)
+    return None
+
+
+#: The docs pages, collected by ``docs/conftest.py``: each page is a file of the suite, each
+#: block one of its tests, all sharing the page's ``docs_page``.
+PAGES_SYBIL = Sybil(parsers=[parse_page], path=str(DOCS), patterns=["*.md"], fixtures=["docs_page"])
+
+
+def page_blocks(text: str, page: str = "page.md") -> list[Block]:
+    """The blocks Sybil finds in a page's text, in order."""
+    document = Document(text, str(DOCS / page))
+    for region in parse_page(document):
+        document.add(region)
+    return [example.parsed for example in document.examples()]
 
 
 def check_kind(block: Block) -> None:
     """Every block is of a kind this test executes or validates."""
+    if block.problem is not None:
+        raise DocError(f"{block.where}: {block.problem}")
     if not block.lang:
         raise DocError(
             f"{block.where}: a code block without a language (name one of "
@@ -816,6 +884,89 @@ def strip_redirections(words: list[str]) -> list[str]:
     return out
 
 
+# ── one page, one database ──
+
+
+class PageSettings:
+    """Settings changed by one page and put back after it, as pytest-django's ``settings``
+    fixture does for one test (which cannot outlive a test: a page is many)."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "overrides", [])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        override = override_settings(**{name: value})
+        override.enable()
+        self.overrides.append(override)
+
+    def __getattr__(self, name: str) -> Any:
+        from django.conf import settings
+
+        return getattr(settings, name)
+
+    def restore(self) -> None:
+        while self.overrides:
+            self.overrides.pop().disable()
+
+
+class PageDatabase(TransactionTestCase):
+    """A page's test database: pytest-django's ``django_db(transaction=True,
+    reset_sequences=True)`` for the length of a page rather than of one test."""
+
+    reset_sequences = True
+
+
+@contextmanager
+def page_database(django_db_blocker: Any) -> Iterator[None]:
+    """Set up as pytest-django sets up a transactional test (the sequences reset, so the
+    page's first run is run 1), flushed after the page."""
+    with django_db_blocker.unblock():
+        PageDatabase.setUpClass()  # a TransactionTestCase's runs its _pre_setup eagerly
+        case = PageDatabase(methodName="__init__")
+        if PageDatabase._pre_setup_ran_eagerly:
+            PageDatabase._pre_setup_ran_eagerly = False
+        else:
+            case._pre_setup()
+        try:
+            yield
+        finally:
+            case._post_teardown()
+            PageDatabase.tearDownClass()
+            PageDatabase.doClassCleanups()
+
+
+@pytest.fixture(scope="module")
+def docs_page(request, django_db_setup, django_db_blocker, tmp_path_factory):
+    """The :class:`PageRun` of one docs page, shared by its blocks. Sybil's items take
+    "module" scope as their file's, so this lives for one page: its test database, a clean
+    demo world, an isolated action registry, its settings, its own temporary directory."""
+    from project.world import world
+
+    page = request.node.path.name
+    settings = PageSettings()
+    with page_database(django_db_blocker), registry.isolated():
+        world.switch_off()
+        run = PageRun(page, tmp_path_factory.mktemp(Path(page).stem), settings)
+        try:
+            yield run
+        finally:
+            run.close()
+            world.switch_off()
+            settings.restore()
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    """docs/conftest.py's hook: Sybil collects the pages (``pytest docs``, or one page). A
+    page's blocks spawn processes (slow) and use a transactional test database, which
+    ``docs_page`` gives them: the marker has pytest-django create it, and run the pages
+    among the transactional tests."""
+    page: pytest.Collector | None = PAGES_SYBIL.pytest()(file_path, parent)
+    if page is not None:
+        page.add_marker(pytest.mark.slow)
+        page.add_marker(pytest.mark.django_db(transaction=True, reset_sequences=True))
+    return page
+
+
 # ── the tests ──
 
 
@@ -823,26 +974,21 @@ def test_the_docs_are_all_there():  # docs
     assert REQUIRED_PAGES <= set(PAGES)
 
 
+def test_every_page_is_collected_and_run_with_the_suite():  # docs
+    """The pages' blocks run as tests of their own (docs/conftest.py), in every run of the
+    suite: ``testpaths`` holds docs/ beside tests/."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "docs" in pyproject["tool"]["pytest"]["ini_options"]["testpaths"]
+    assert "tests.test_docs" in (DOCS / "conftest.py").read_text()
+    assert all(PAGES_SYBIL.should_parse(DOCS / page) for page in PAGES)
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_every_block_is_of_a_kind_that_is_executed(page):  # docs
-    blocks = parse_blocks((DOCS / page).read_text(), page)
+    blocks = [example.parsed for example in PAGES_SYBIL.parse(DOCS / page).examples()]
     assert blocks, f"docs/{page} has no code block"
     for block in blocks:
         check_kind(block)
-
-
-@pytest.mark.slow
-@pytest.mark.django_db(transaction=True, reset_sequences=True)
-@pytest.mark.parametrize("page", PAGES)
-def test_every_block_does_what_the_page_says(
-    page, tmp_path, settings, world, isolated_registry
-):  # docs
-    run = PageRun(page, tmp_path, settings)
-    try:
-        for block in parse_blocks((DOCS / page).read_text(), page):
-            run.run(block)
-    finally:
-        run.close()
 
 
 def as_written(value: Any) -> str:
@@ -891,7 +1037,7 @@ def test_the_console_page_names_the_permissions_and_the_endpoint():  # docs, S3
 # ── the checks themselves fail when the docs are wrong ──
 
 
-def test_the_parser_finds_fences_info_strings_and_skip_markers():  # docs
+def test_sybil_finds_fences_info_strings_and_skip_markers():  # docs
     text = "\n".join(
         [
             "# Title",
@@ -910,18 +1056,28 @@ def test_the_parser_finds_fences_info_strings_and_skip_markers():  # docs
             "   >>> 1",
             "   1",
             "   ```",
+            "```console",
+            "```text",
+            "```",
         ]
     )
-    blocks = parse_blocks(text)
+    blocks = page_blocks(text)
     assert [(b.lang, b.attrs, b.line) for b in blocks] == [
         ("python", {"file": "app/x.py"}, 3),
         ("shell", {}, 8),
         ("pycon", {}, 13),
+        ("console", {}, 17),
     ]
     assert blocks[1].skip == "needs systemd" and blocks[1].source == "systemctl start x\n```\n"
     assert blocks[0].skip is None and blocks[2].source == ">>> 1\n1\n"
+    assert blocks[3].source == "```text\n"  # a fence with an info string closes nothing
+    assert all(b.problem is None for b in blocks)
+    # A marker is the block's only when nothing but blank lines is between them.
+    (after_text,) = page_blocks("<!-- doctest: skip (x) -->\ntext\n\n```shell\nx\n```\n")
+    assert after_text.skip is None
+    (unclosed,) = page_blocks("```python\nx = 1\n")
     with pytest.raises(DocError, match="never closed"):
-        parse_blocks("```python\nx = 1\n")
+        check_kind(unclosed)
 
 
 @pytest.mark.parametrize(
@@ -935,12 +1091,36 @@ def test_the_parser_finds_fences_info_strings_and_skip_markers():  # docs
         ("```ini file=x.conf\n[a]\n```", "systemd unit"),
         ("<!-- doctest: skip (lazy) -->\n```python\nx = 1\n```", "only a shell block"),
         ("<!-- doctest: skip (lazy) -->\n```shell\npython manage.py migrate\n```", "need a real"),
+        ("<!-- doctest: skipped -->\n```shell\nsystemctl start x\n```", "is `skip \\(why\\)`"),
     ],
 )
 def test_a_block_of_an_unknown_kind_fails(text, error):  # docs
     with pytest.raises(DocError, match=error):
-        for block in parse_blocks(text):
+        for block in page_blocks(text):
             check_kind(block)
+
+
+def test_a_wrong_block_fails_its_example_with_the_pages_words(tmp_path, settings):  # docs
+    document = Document(
+        "```pycon\n>>> 1 + 1\n3\n```\n\n```toml\nx = 1\n```\n\n```python\n1 / 0\n```\n",
+        str(DOCS / "x.md"),
+    )
+    for region in parse_page(document):
+        document.add(region)
+    run = PageRun("x.md", tmp_path, settings)
+    document.namespace["docs_page"] = run
+    try:
+        wrong_output, unknown, raising = document.examples()
+        with pytest.raises(
+            SybilFailure, match=r"File \"docs/x.md\", line 2(.|\n)*Expected:\n +3\nGot:\n +2"
+        ):
+            wrong_output.evaluate()
+        with pytest.raises(SybilFailure, match="docs/x.md:6: the language 'toml'"):
+            unknown.evaluate()
+        with pytest.raises(ZeroDivisionError):
+            raising.evaluate()
+    finally:
+        run.close()
 
 
 def test_console_text_is_read_as_commands_output_and_statuses():  # docs
