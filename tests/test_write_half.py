@@ -597,9 +597,8 @@ def test_a_step_costs_two_transactions_of_fixed_statements_whatever_its_size(
     dirty = [first[0], *first[2:]]
     statements, sent_50 = _statements(new_step(run, "t.make", {"n": 50}, seq=1))
     assert statements == dirty + second
-    assert sent == sent_50
     if trips is not None:
-        assert sent == trips
+        assert sent == sent_50 == trips
     assert Res.filter(run=run, kind="thing", status="confirmed").count() == 51
 
 
