@@ -250,8 +250,14 @@ def sends_together(using: str = "default") -> bool:
     options = conn.settings_dict.get("OPTIONS") or {}
     return (
         conn.vendor == "mysql"
-        and options.get("multi_statements", True) is not False
+        # mysqlclient itself: PyMySQL installed as MySQLdb, or another driver's backend,
+        # would take the trip for one statement with a syntax error.
+        and getattr(getattr(conn, "Database", None), "__name__", "") == "MySQLdb"
+        and bool(options.get("multi_statements", True))
         and not conn.in_atomic_block
+        # With autocommit off the caller owns a transaction that START TRANSACTION
+        # would commit.
+        and conn.get_autocommit()
         and not _in_trips(conn)
     )
 
@@ -315,10 +321,12 @@ class Trips:
         try:
             with self._conn.cursor() as cursor:
                 cursor.execute("ROLLBACK")
-        except Exception:
-            # The connection is broken: the server rolls the transaction back when it
-            # closes, and Django replaces a connection found unusable.
-            self._conn.close_if_unusable_or_obsolete()
+        except BaseException:
+            # The transaction may still be open on the server, where Django would take
+            # it for autocommit: the connection goes, and the server rolls back when it
+            # closes (a kept connection would carry the transaction on).
+            self._conn.close()
+            raise
 
 
 def in_trips(fn: Callable[[Trips], T], *, using: str = "default", tries: int = 5) -> T:

@@ -180,6 +180,11 @@ class _Workers:
     """
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        # Also in a forked child: it inherits no threads, and a lock another thread
+        # held at the fork would stay held for ever.
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []
         self._pid = os.getpid()
@@ -248,6 +253,8 @@ class _Worker:
 
 
 workers = _Workers()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=workers._reset)
 
 
 def _interrupted(

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, router
 
 from . import signals
 from .conf import ledger_settings
@@ -306,7 +306,7 @@ class _Begun:
 def _claim_and_execute(step_id: int) -> StepResult:
     # Durable moment 1 (rule 1): the claim and the placeholder with its dirty mark (or
     # the verdict of a step that may not run) commit together, before any module call.
-    begun = _begin_in_one_trip(step_id) if sends_together() else None
+    begun = _begin_in_one_trip(step_id) if _in_trips() else None
     if begun is None:
         begun = in_transaction(lambda: _begin(step_id))
     if isinstance(begun, StepResult):
@@ -367,6 +367,15 @@ def _begin(step_id: int) -> _Begun | StepResult:
         error = "its placeholder is being given back by a cleanup; not performed"
         return _settle(step, token, StepResult("retry", error=error))
     return _Begun(token, step, run, action, placeholder_id)
+
+
+def _in_trips() -> bool:
+    """Whether a step's transactions go in trips: the ledger's tables are written through
+    the connection that sends them (``in_transaction``'s, the default one)."""
+    return sends_together() and all(
+        router.db_for_write(model) == DEFAULT_DB_ALIAS
+        for model in (EventRun, EventRunStep, EventRunResource)
+    )
 
 
 def _begin_in_one_trip(step_id: int) -> _Begun | StepResult | None:
@@ -500,8 +509,12 @@ def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
     """Durable moment 2: the answer's rows, the placeholder's resolution, the step's
     outcome and its log line commit together. When that transaction fails, nothing of
     the answer is on the ledger, the placeholder stays, and the outcome is written alone."""
-    if not late and sends_together():
-        done = _finish_in_two_trips(b, call)
+    if not late and _in_trips():
+        try:
+            done = _finish_in_two_trips(b, call)
+        except Exception:  # an answer the general path reads and records as it can
+            logger.warning("step %s: recording in two trips failed", b.step.pk, exc_info=True)
+            done = None
         if done is not None:
             return done
     recorded: list[RecordResult] = []

@@ -289,3 +289,90 @@ def test_the_bench_reads_a_trip_statement_by_statement():  # bench, #12
         in_trips(lambda trips: trips.send([(count, ["trip-d"])], commit=True))  # reads only
     assert (counts.statements, counts.round_trips) == (3, 3)
     assert (counts.commits, counts.writing_commits) == (2, 1)
+
+
+@world
+@mysql_only
+def test_a_host_that_turns_several_statements_off_gets_the_general_path():  # #12, S4
+    options = connection.settings_dict.setdefault("OPTIONS", {})
+    before = dict(options)
+    try:
+        for off in (False, 0):
+            options["multi_statements"] = off
+            assert not sends_together()
+    finally:
+        options.clear()
+        options.update(before)
+    assert sends_together()
+
+
+@world
+def test_a_step_inside_a_callers_own_transaction_commits_nothing_of_it(
+    isolated_registry,
+):  # #12, W5: with autocommit off the transaction is the caller's
+    from django.db import transaction
+
+    _action(
+        isolated_registry, lambda **kw: {"ok": True, "resources": [{"kind": "thing", "ref": "x"}]}
+    )
+    run = new_run()
+    step = new_step(run, "t.trip")
+    transaction.set_autocommit(False)
+    try:
+        EventRun.objects.create(name="callers-work")
+        assert execute_step(step).outcome == "done"
+        assert not _seen_elsewhere("callers-work")
+        transaction.rollback()
+    finally:
+        transaction.set_autocommit(True)
+    assert not EventRun.objects.filter(name="callers-work").exists()
+    step.refresh_from_db()
+    assert step.status == "pending"  # the caller rolled the step back with its own work
+    assert not Res.filter(run=run).exists()
+
+
+@world
+def test_an_answer_that_cannot_be_read_is_settled_not_raised(isolated_registry):  # #12, W3
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    _action(
+        isolated_registry,
+        lambda **kw: {"ok": True, "resources": [{"kind": "thing", "ref": "x", "payload": deep}]},
+    )
+    run = new_run()
+    step = new_step(run, "t.trip")
+    result = execute_step(step)  # never raises (W3)
+    assert result.outcome == "done" and result.rejected
+    step.refresh_from_db()
+    assert step.status != "running"  # settled, not left for the claim to go stale
+    assert _placeholder(step).status == "pending"  # cleanup gives back all the key made
+
+
+def test_a_forked_child_makes_calls_though_the_parent_held_the_pool():  # #12, deadline
+    """Celery's prefork forks a process that has made calls, at any moment: a lock another
+    thread held at the fork would stay held in the child for ever."""
+    import os
+    import time
+
+    from events_ledger.deadline import call_with_deadline, workers
+
+    call_with_deadline(lambda: 1, 5, "warm")  # the parent has a kept thread
+    with workers._lock:  # held, as by another thread, at the fork
+        pid = os.fork()
+        if pid == 0:  # the child
+            ok = False
+            try:
+                ok = call_with_deadline(lambda: 42, 5, "child").value == 42
+            finally:
+                os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's call never came back")
