@@ -81,6 +81,10 @@ class ClaimKeeper:
                 # The next beat tries again on a new connection; a claim that goes stale
                 # meanwhile is the same as a dead process's, which the TTL is there for.
                 logger.warning("could not refresh the claims of steps in flight", exc_info=True)
+            finally:
+                # A connection per beat, not one held for the process's life: between beats
+                # (a quarter of the TTL) it would sit idle as a session of its own, which
+                # a database restart breaks and a test database's teardown waits on.
                 try:
                     connections.close_all()
                 except Exception:

@@ -349,6 +349,9 @@ def test_an_answer_that_cannot_be_read_is_settled_not_raised(isolated_registry):
     assert _placeholder(step).status == "pending"  # cleanup gives back all the key made
 
 
+# Python 3.12 warns that forking a process with threads may deadlock the child: that is the
+# case under test.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_makes_calls_though_the_parent_held_the_pool():  # #12, deadline
     """Celery's prefork forks a process that has made calls, at any moment: a lock another
     thread held at the fork would stay held in the child for ever."""
