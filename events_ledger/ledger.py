@@ -512,7 +512,10 @@ def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
     if not late and _in_trips():
         try:
             done = _finish_in_two_trips(b, call)
-        except Exception:  # an answer the general path reads and records as it can
+        except Exception:
+            # Rolled back (or its COMMIT's answer lost), or an answer the trips cannot
+            # read: the general path writes it all again, or, failing too, the outcome
+            # alone, as it does for its own failures.
             logger.warning("step %s: recording in two trips failed", b.step.pk, exc_info=True)
             done = None
         if done is not None:
@@ -530,6 +533,10 @@ def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
     if recorded:
         _dirty_after(b.run, recorded[-1])
     return result
+
+
+class _NotAsExpected(Exception):
+    """A trip's rows counts were not those of the common case: rolled back."""
 
 
 def _finish_in_two_trips(b: _Begun, call: CallResult) -> StepResult | None:
@@ -554,9 +561,6 @@ def _finish_in_two_trips(b: _Begun, call: CallResult) -> StepResult | None:
         statements.append(insert)
     statements.append(EventRunResource.objects.resolve_statement(b.placeholder_id))
 
-    class _NotAsExpected(Exception):
-        pass
-
     # The outcome written under the claim, every row in, the placeholder resolved.
     expected = [1, len(rows), 1] if rows else [1, 1]
 
@@ -567,11 +571,6 @@ def _finish_in_two_trips(b: _Begun, call: CallResult) -> StepResult | None:
     try:
         in_trips(send)
     except _NotAsExpected:
-        return None
-    except Exception:
-        # Rolled back (or its COMMIT's answer lost): the general path writes it all
-        # again, or, failing too, the outcome alone, as it does for its own failures.
-        logger.warning("step %s: recording in two trips failed", b.step.pk, exc_info=True)
         return None
     return StepResult("done", recorded=len(rows))
 

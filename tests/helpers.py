@@ -43,17 +43,22 @@ def lease_step(
 
 
 def ledger_action(
-    registry: Any, action_id: str = "t.make", owner: str = "t", revert: Any = None, **kw: Any
+    registry: Any,
+    action_id: str = "t.make",
+    owner: str = "t",
+    revert: Any = None,
+    perform: Any = None,
+    **kw: Any,
 ) -> Any:
-    """Register a `ledger` action whose perform does nothing and whose revert answers
-    what the test says (ok by default)."""
+    """Register a `ledger` action whose perform does what the test says (nothing by
+    default) and whose revert answers what the test says (ok by default)."""
     from events_ledger import Action
 
     action = Action(
         id=action_id,
         owner=owner,
         reversible="ledger",
-        perform=lambda **_: None,
+        perform=perform or (lambda **_: None),
         revert=revert or (lambda **_: {"ok": True}),
         **kw,
     )

@@ -19,7 +19,7 @@ from events_ledger import Action
 from events_ledger.db import in_trips, sends_together, statements_retried
 from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
-from tests.helpers import new_run, new_step
+from tests.helpers import ledger_action, new_run, new_step
 
 Res = EventRunResource.objects
 world = pytest.mark.django_db(transaction=True)
@@ -125,15 +125,7 @@ def test_a_refused_commit_runs_the_whole_transaction_again_never_the_commit_alon
 
 
 def _action(isolated_registry, perform) -> Action:
-    action = Action(
-        id="t.trip",
-        owner="t",
-        reversible="ledger",
-        perform=perform,
-        revert=lambda **kw: {"ok": True},
-    )
-    isolated_registry.register_action(action)
-    return action
+    return ledger_action(isolated_registry, "t.trip", perform=perform)
 
 
 def _placeholder(step: EventRunStep) -> EventRunResource:
