@@ -58,13 +58,13 @@ def _seen_elsewhere(name: str) -> bool:
 
 
 @world
-def test_only_mysql_sends_several_statements_a_trip():  # #12
+def test_only_mysql_sends_several_statements_a_trip():  # W5, #12
     assert sends_together() is (connection.vendor == "mysql")
 
 
 @world
 @mysql_only
-def test_a_trip_answers_each_statement_and_commits_with_its_last():  # #12
+def test_a_trip_answers_each_statement_and_commits_with_its_last():  # W5, #12
     sql, params = _insert_run("trip-a")
     count = f"SELECT COUNT(*) FROM {_table()} WHERE name = %s"
 
@@ -79,7 +79,7 @@ def test_a_trip_answers_each_statement_and_commits_with_its_last():  # #12
 
 @world
 @mysql_only
-def test_a_statement_that_fails_rolls_the_whole_trip_back():  # #12, rule 1
+def test_a_statement_that_fails_rolls_the_whole_trip_back():  # W5, rule 1, #12
     sql, params = _insert_run("trip-b")
 
     def fn(trips):
@@ -95,7 +95,7 @@ def test_a_statement_that_fails_rolls_the_whole_trip_back():  # #12, rule 1
 
 @world
 @mysql_only
-def test_a_refused_commit_runs_the_whole_transaction_again_never_the_commit_alone():  # #12
+def test_a_refused_commit_runs_the_whole_transaction_again_never_the_commit_alone():  # W5
     """A deadlock victim or a write Galera's certification refuses at COMMIT has lost the
     whole transaction. Retrying the COMMIT alone would commit an empty transaction and
     answer success, losing what the trip wrote: the transaction is run again instead."""
@@ -344,7 +344,7 @@ def test_an_answer_that_cannot_be_read_is_settled_not_raised(isolated_registry):
 # Python 3.12 warns that forking a process with threads may deadlock the child: that is the
 # case under test.
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
-def test_a_forked_child_makes_calls_though_the_parent_held_the_pool():  # #12, deadline
+def test_a_forked_child_makes_calls_though_the_parent_held_the_pool():  # W5, deadline
     """Celery's prefork forks a process that has made calls, at any moment: a lock another
     thread held at the fork would stay held in the child for ever."""
     import os
