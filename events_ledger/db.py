@@ -269,6 +269,13 @@ class Answer:
 
     rowcount: int
     rows: list[tuple[Any, ...]]
+    #: The id the statement's INSERT gave its row, when it inserted one.
+    last_id: int | None = None
+
+
+#: The error a compound statement of ``Trips.send_committing_if`` raises when it rolled
+#: back (a user-defined error number, in the range MariaDB leaves to applications).
+NOT_AS_EXPECTED = 45_901
 
 
 class Trips:
@@ -302,12 +309,61 @@ class Trips:
                 # ``nextset``), after the results of those that went before it.
                 while True:
                     rows = list(raw.fetchall()) if raw.description else []
-                    answers.append(Answer(max(int(raw.rowcount), 0), rows))
+                    count = max(int(raw.rowcount), 0)
+                    answers.append(Answer(count, rows, raw.lastrowid or None))
                     if not raw.nextset():
                         break
         if commit:
             self.ended = True
         return answers[lead : lead + len(statements)]
+
+    @property
+    def commits_if(self) -> bool:
+        """Whether ``send_committing_if`` can decide the commit on the server (MariaDB)."""
+        return bool(getattr(self._conn, "mysql_is_mariadb", False))
+
+    def send_committing_if(self, statements: list[Statement], expected: list[int]) -> bool:
+        """Send ``statements`` and, in the same round trip, COMMIT when each counts the
+        rows ``expected`` says, else ROLLBACK; answers whether it committed. Only where
+        ``commits_if`` says so.
+
+        MariaDB runs a compound statement outside a stored program (``BEGIN NOT
+        ATOMIC``), which reads each statement's count (``ROW_COUNT()``, matched rows
+        for an UPDATE, as the connection's CLIENT_FOUND_ROWS has it) and decides
+        there: the commit that would otherwise wait a round trip for the client to
+        read the counts goes with the statements. Rolled back, the block says so by
+        raising its own error (``NOT_AS_EXPECTED``), so that a block that committed
+        answers nothing to read. A statement that fails ends the block before the
+        decision, with the transaction still open, and its error is raised here for
+        ``in_trips`` to roll it back as for any trip."""
+        assert self.commits_if and statements and len(expected) == len(statements)
+        counts = [f"n{i}" for i in range(len(statements))]
+        body = [f"DECLARE {', '.join(counts)} BIGINT DEFAULT -1"]
+        if not self.begun:
+            # Inside the block: one statement less for the trip to answer.
+            body.append("START TRANSACTION")
+            self.begun = True
+        for (sql, _), name in zip(statements, counts, strict=True):
+            body += [sql, f"SET {name} = ROW_COUNT()"]
+        agreed = " AND ".join(f"{n} = {int(e)}" for n, e in zip(counts, expected, strict=True))
+        body.append(
+            f"IF {agreed} THEN COMMIT; ELSE ROLLBACK; "
+            f"SIGNAL SQLSTATE '45000' SET MYSQL_ERRNO = {NOT_AS_EXPECTED}, "
+            "MESSAGE_TEXT = 'events-ledger: rolled back, not as expected'; END IF"
+        )
+        block: Statement = (
+            "BEGIN NOT ATOMIC\n" + ";\n".join(body) + ";\nEND",
+            [p for _, values in statements for p in values],
+        )
+        try:
+            self.send([block])
+        except DatabaseError as exc:
+            if _driver_error(exc).args[:1] != (NOT_AS_EXPECTED,):
+                raise
+            self.ended = True
+            return False
+        self.ended = True
+        return True
 
     def commit(self) -> None:
         if self.begun and not self.ended:
@@ -433,6 +489,16 @@ class Prepared:
         with conn.cursor() as cursor:
             cursor.execute(compiled.sql, self._params(compiled, values))
             rows = cursor.fetchall()
+        return self._converted(compiled, conn, rows)
+
+    def converted(
+        self, queryset: models.QuerySet[Any], rows: Any, *fixed: Any
+    ) -> list[tuple[Any, ...]]:
+        """The rows a SELECT sent as ``statement()`` read, converted as ``rows()`` does."""
+        conn = connections[queryset.db]
+        return self._converted(self._compiled(queryset, conn, fixed), conn, rows)
+
+    def _converted(self, compiled: _Compiled, conn: Any, rows: Any) -> list[tuple[Any, ...]]:
         if not compiled.converters:
             return [tuple(row) for row in rows]
         # The backend's converters are those of the connection that compiled the

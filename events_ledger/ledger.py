@@ -12,6 +12,7 @@ from django.db import DEFAULT_DB_ALIAS, connection, router
 from . import signals
 from .conf import ledger_settings
 from .db import (
+    Answer,
     Trips,
     bounded,
     in_transaction,
@@ -285,9 +286,15 @@ def execute_step(step_or_id: EventRunStep | int) -> StepResult:
     step's claim is kept fresh while it lives (so a retry answers ``busy`` and cleanup
     waits), and its answer, when it comes, is recorded and the step settled.
     """
-    step_id: int = step_or_id.pk if isinstance(step_or_id, EventRunStep) else int(step_or_id)
+    known: EventRunStep | None = None
+    if isinstance(step_or_id, EventRunStep):
+        if step_or_id.pk is None:
+            raise EventRunStep.DoesNotExist("the step has not been saved")
+        known, step_id = step_or_id, int(step_or_id.pk)
+    else:
+        step_id = int(step_or_id)
     with statements_retried(), log_context(step_id=step_id):  # #15: log context
-        return _claim_and_execute(step_id)
+        return _claim_and_execute(step_id, known)
 
 
 @dataclass
@@ -303,10 +310,10 @@ class _Begun:
     handed_over: bool = False
 
 
-def _claim_and_execute(step_id: int) -> StepResult:
+def _claim_and_execute(step_id: int, known: EventRunStep | None) -> StepResult:
     # Durable moment 1 (rule 1): the claim and the placeholder with its dirty mark (or
     # the verdict of a step that may not run) commit together, before any module call.
-    begun = _begin_in_one_trip(step_id) if _in_trips() else None
+    begun = _begin_in_one_trip(step_id, known) if _in_trips() else None
     if begun is None:
         begun = in_transaction(lambda: _begin(step_id))
     if isinstance(begun, StepResult):
@@ -378,64 +385,72 @@ def _in_trips() -> bool:
     )
 
 
-def _begin_in_one_trip(step_id: int) -> _Begun | StepResult | None:
+def _begin_in_one_trip(step_id: int, known: EventRunStep | None) -> _Begun | StepResult | None:
     """``_begin`` for the common case, where the connection sends several statements in
     one round trip (``db.sends_together``): a ``ledger`` action that may run, on a run
     that has not ended. Its transaction (the dirty mark, the claim, the placeholder
-    inserted only under that claim, the placeholder's id, COMMIT) is one trip after the
-    step's read, against seven through ``atomic``. Answers None for ``_begin`` to decide
-    whatever else: another case, or a claim this one lost (nothing of it is written but
-    the dirty mark, which ``_begin`` would write the same)."""
-    step = EventRunStep.objects.with_run(step_id)
+    inserted only under that claim, the step read back with its run and live
+    placeholder, COMMIT) is one trip, against seven through ``atomic``; with the step
+    ``known`` (the caller passed it), the trip is the step's only one before its call.
+
+    Nothing the caller's instance says is trusted but what never changes (the run,
+    the action, the key, phase and seq): whether the step may be claimed, its attempt
+    bound and whether its run has ended are decided by the claim's statement, and what
+    the call needs is read back under the claim. Answers None for ``_begin`` to decide
+    whatever else: another case, or a claim this one lost (nothing of it is written
+    but the dirty mark, which ``_begin`` would write the same)."""
+    step = known if known is not None else EventRunStep.objects.with_run(step_id)
     if step is None:
         return None  # ``_begin`` says so
-    run, action = step.run, registry.action(step.action_id)
+    action = registry.action(step.action_id)
     if (
         action is None
         or action.reversible != "ledger"
         or action.id == LEASE_ACTION_ID
         or not callable(action.perform)
-        or run.status in EventRun.TERMINAL
-        or step.attempts >= ledger_settings.MAX_STEP_ATTEMPTS
     ):
         return None
-    bind(run_id=run.pk, action=step.action_id, owner=action.owner)  # #15
-    seen = step.attempts
-    token, claim = EventRunStep.objects.claim_statement(
-        step, ledger_settings.STEP_CLAIM_TTL, process_name(), attempts=seen
-    )
-    statements = []
-    if run.cleanup_status in (CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE):
-        # The run's row first, before the claim (see ``_begin``).
-        statements.append(
-            EventRun.objects.cleanup_status_statement(
-                run.pk,
-                CleanupStatus.PENDING,
-                only_from=[CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE],
-            )
-        )
-    statements.append(claim)
-    statements += EventRunResource.objects.placeholder_statements(
-        run.pk,
+    max_attempts = ledger_settings.MAX_STEP_ATTEMPTS
+    if known is None and (step.run.status in EventRun.TERMINAL or step.attempts >= max_attempts):
+        return None  # read just now: no claim to try
+    bind(run_id=step.run_id, action=step.action_id, owner=action.owner)  # #15
+    claim = EventRunStep.objects.claim_live_statements(
         step,
+        ledger_settings.STEP_CLAIM_TTL,
+        process_name(),
+        max_attempts,
         action.owner,
-        step.idempotency_key,
         {"action": action.id, "phase": step.phase, "seq": step.seq},
-        token,
     )
+    statements = claim.statements
+    if known is not None or step.run.cleanup_status in (
+        CleanupStatus.NOT_REQUIRED,
+        CleanupStatus.COMPLETE,
+    ):
+        # The run's row first, before the claim (see ``_begin``). A step not read first
+        # sends it whatever the run's mark: the statement writes only where needed.
+        statements = [EventRun.objects.mark_dirty_statement(step.run_id), *statements]
 
-    def send(trips: Trips) -> tuple[int, list[tuple[Any, ...]]]:
-        *_, claimed, _inserted, live = trips.send(statements, commit=True)
-        return claimed.rowcount, live.rows
+    def send(trips: Trips) -> tuple[int, Answer, list[tuple[Any, ...]]]:
+        *_, claimed, inserted, read = trips.send(statements, commit=True)
+        return claimed.rowcount, inserted, read.rows
 
-    claimed, live = in_trips(send)
-    if claimed != 1:
+    claimed, inserted, rows = in_trips(send)
+    if claimed != 1 or not rows:
         return None
-    step.status, step.claim_token, step.attempts = StepStatus.RUNNING, token, seen + 1
-    if not live:
+    step = EventRunStep.objects.claimed(step, claim.token, rows)
+    if inserted.rowcount == 1 and inserted.last_id:
+        placeholder_id: int | None = inserted.last_id
+    else:
+        # Not inserted under the claim: this step's earlier attempt wrote it. The
+        # claim is this call's now (committed), so it is read once, as ``_begin`` does.
+        placeholder_id = EventRunResource.objects.live_placeholder(
+            step.run_id, action.owner, step.idempotency_key
+        )
+    if placeholder_id is None:
         error = "its placeholder is being given back by a cleanup; not performed"
-        return _settle(step, token, StepResult("retry", error=error))
-    return _Begun(token, step, run, action, int(live[0][0]))
+        return _settle(step, claim.token, StepResult("retry", error=error))
+    return _Begun(claim.token, step, step.run, action, placeholder_id)
 
 
 def _claim(step: EventRunStep) -> str | None:
@@ -511,12 +526,12 @@ def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
     the answer is on the ledger, the placeholder stays, and the outcome is written alone."""
     if not late and _in_trips():
         try:
-            done = _finish_in_two_trips(b, call)
+            done = _finish_in_trips(b, call)
         except Exception:
             # Rolled back (or its COMMIT's answer lost), or an answer the trips cannot
             # read: the general path writes it all again, or, failing too, the outcome
             # alone, as it does for its own failures.
-            logger.warning("step %s: recording in two trips failed", b.step.pk, exc_info=True)
+            logger.warning("step %s: recording in trips failed", b.step.pk, exc_info=True)
             done = None
         if done is not None:
             return done
@@ -539,14 +554,16 @@ class _NotAsExpected(Exception):
     """A trip's rows counts were not those of the common case: rolled back."""
 
 
-def _finish_in_two_trips(b: _Begun, call: CallResult) -> StepResult | None:
+def _finish_in_trips(b: _Begun, call: CallResult) -> StepResult | None:
     """``_finish`` for the common case, where the connection sends several statements in
     one round trip (``db.sends_together``): a ``ledger`` action answered ``ok`` with
     every entry readable, in one INSERT. The outcome (fenced by the claim), the rows and
-    the placeholder's resolution go in one trip, and COMMIT in a second when all three
-    did what they would when every row goes in. Anything else (the claim taken over, a
-    target held, an error) is rolled back whole and answered None: ``_settle_answer``
-    then does it all again and words what happened, as if this had not been tried."""
+    the placeholder's resolution go in one trip, committed only when all three did what
+    they do when every row goes in: on MariaDB the server decides that in the same trip
+    (``Trips.send_committing_if``), on MySQL the COMMIT follows in a second trip. Anything
+    else (the claim taken over, a target held, an error) is rolled back whole and
+    answered None: ``_settle_answer`` then does it all again and words what happened, as
+    if this had not been tried."""
     if call.error is not None or not is_success(call.value) or b.placeholder_id is None:
         return None
     answer = _parse(b.action, call.value.get("resources"))
@@ -565,7 +582,11 @@ def _finish_in_two_trips(b: _Begun, call: CallResult) -> StepResult | None:
     expected = [1, len(rows), 1] if rows else [1, 1]
 
     def send(trips: Trips) -> None:
-        if [answer.rowcount for answer in trips.send(statements)] != expected:
+        if trips.commits_if:
+            # MariaDB decides the COMMIT itself, in the same trip.
+            if not trips.send_committing_if(statements, expected):
+                raise _NotAsExpected  # rolled back on the server
+        elif [answer.rowcount for answer in trips.send(statements)] != expected:
             raise _NotAsExpected  # rolled back by ``in_trips``
 
     try:

@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connections, models
 from django.db.models import (
     BooleanField,
@@ -30,6 +31,7 @@ from django.db.models import (
 )
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Greatest
+from django.utils import timezone
 
 from .db import (
     Prepared,
@@ -125,6 +127,15 @@ def _set_cleanup_status(
 
 
 _SET_CLEANUP_STATUS = Prepared(_set_cleanup_status, run=int, status=str)
+_MARK_DIRTY_IF_LIVE = Prepared(
+    lambda base, *, run: (
+        base.filter(
+            pk=run, cleanup_status__in=[CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE]
+        ).exclude(status__in=RUN_TERMINAL),
+        {"cleanup_status": CleanupStatus.PENDING, "updated_at": UtcNow()},
+    ),
+    run=int,
+)
 
 
 class EventRunQuerySet(models.QuerySet):
@@ -160,6 +171,12 @@ class EventRunQuerySet(models.QuerySet):
         """``set_cleanup_status`` as a statement, for ``db.in_trips``."""
         only = None if only_from is None else tuple(only_from)
         return _SET_CLEANUP_STATUS.statement(self, only, run=_pk(run), status=status)
+
+    def mark_dirty_statement(self, run: Any) -> Statement:
+        """The run's first ledgered step's mark (``not_required``/``complete`` →
+        ``pending``) as a statement, for ``db.in_trips``: only while the run has not
+        ended, as ``ledger`` marks it only then."""
+        return _MARK_DIRTY_IF_LIVE.statement(self, run=_pk(run))
 
     def _derived_cleanup_status(self, max_attempts: int, max_claims: int) -> Case:
         rows = _manager(self.model, "resources").filter(run=OuterRef("pk"))
@@ -342,6 +359,22 @@ def _claim(
 
 _CLAIM = Prepared(_claim, step=int, token=str, by=str)
 _CLAIM_AT = Prepared(_claim, step=int, token=str, by=str, attempts=int)
+
+
+def _claim_live(
+    base: Any, ttl: timedelta, max_attempts: int, *, step: int, token: str, by: str, action: str
+) -> tuple[Any, dict[str, Any]]:
+    qs, values = _claim(base, ttl, step=step, token=token, by=by)
+    runs = _manager(base.model, "run").filter(pk=OuterRef("run_id"))
+    return (
+        qs.filter(action_id=action, attempts__lt=max_attempts).filter(
+            Exists(runs.exclude(status__in=RUN_TERMINAL))
+        ),
+        values,
+    )
+
+
+_CLAIM_LIVE = Prepared(_claim_live, step=int, token=str, by=str, action=str)
 _ATTEMPTS = Prepared(
     lambda base, *, step: base.filter(pk=step).order_by().values_list("attempts"), step=int
 )
@@ -384,18 +417,97 @@ _STEP_WITH_RUN = Prepared(
 )
 
 
+_CLAIMED = Prepared(
+    lambda base, *, step, token: (
+        base.filter(pk=step, claim_token=token).order_by().values_list("attempts", "params")
+    ),
+    step=int,
+    token=str,
+)
+
+
+@dataclass(frozen=True)
+class LiveClaim:
+    """``claim_live_statements``: the token, and the statements to send in one trip
+    after the run's dirty mark: the claim (won when it counts one row), the
+    ``@step`` placeholder inserted only under it (its id, when it went in, is the
+    insert's), then the read of the step's attempts and parameters under it."""
+
+    token: str
+    statements: list[Statement]
+
+
 class EventRunStepQuerySet(models.QuerySet):
     def with_run(self, step: Any) -> Any:
         """The step with its run cached on it, as ``select_related("run").only(...)``
         reads them (``STEP_COLUMNS``, ``RUN_COLUMNS``), in one statement; None when
         there is no such step."""
         rows = _STEP_WITH_RUN.rows(self, step=_pk(step))
-        if not rows:
-            return None
+        return self._with_run(rows[0]) if rows else None
+
+    def _with_run(self, row: Sequence[Any]) -> Any:
         field = self.model._meta.get_field("run")
-        found = self.model.from_db(self.db, STEP_COLUMNS, rows[0][: len(STEP_COLUMNS)])
-        run = field.related_model.from_db(self.db, RUN_COLUMNS, rows[0][len(STEP_COLUMNS) :])
+        found = self.model.from_db(self.db, STEP_COLUMNS, row[: len(STEP_COLUMNS)])
+        run = field.related_model.from_db(
+            self.db, RUN_COLUMNS, row[len(STEP_COLUMNS) : len(STEP_COLUMNS) + len(RUN_COLUMNS)]
+        )
         field.set_cached_value(found, run)
+        return found
+
+    def claim_live_statements(
+        self,
+        step: Any,
+        ttl: timedelta,
+        by: str | None,
+        max_attempts: int,
+        owner: str,
+        payload: Mapping[str, Any],
+    ) -> LiveClaim:
+        """The claim of a step not yet read, for ``db.in_trips``: won only while the step
+        is claimable, still of its action, under ``max_attempts`` and its run has not
+        ended, each decided by the statement itself; then the step's placeholder, and
+        the step's attempts and parameters read back under the claim (``claimed``
+        reads them). A claim lost reads nothing."""
+        token = new_token()
+        claim = _CLAIM_LIVE.statement(
+            self, ttl, max_attempts, step=_pk(step), token=token, by=by, action=step.action_id
+        )
+        resources = _manager(_manager(self.model, "run").model, "resources").all()
+        [(insert, params, _)] = resources._inserts(
+            connections[self.db],
+            step.run_id,
+            step,
+            owner,
+            [{"kind": STEP_KIND, "ref": step.idempotency_key, "payload": payload}],
+            ResourceStatus.PENDING,
+            under_claim=token,
+        )
+        read = _CLAIMED.statement(self, step=_pk(step), token=token)
+        return LiveClaim(token, [claim, (insert, params), read])
+
+    def claimed(self, step: Any, token: str, rows: Sequence[Sequence[Any]]) -> Any:
+        """The step as the claim of ``claim_live_statements`` left it, from ``step``'s
+        columns that never change and the rows its read answered; its run is cached
+        as its id alone (the rest of it deferred)."""
+        [(attempts, params)] = _CLAIMED.converted(self, rows)
+        found = self.model.from_db(
+            self.db,
+            STEP_COLUMNS,
+            [
+                step.pk,
+                step.run_id,
+                step.phase,
+                step.seq,
+                step.action_id,
+                params,
+                step.idempotency_key,
+                StepStatus.RUNNING,
+                attempts,
+                token,
+            ],
+        )
+        field = self.model._meta.get_field("run")
+        field.set_cached_value(found, field.related_model.from_db(self.db, ["id"], [step.run_id]))
         return found
 
     def claim(
@@ -533,6 +645,9 @@ _INSERTED_COLUMNS = (
     "updated_at",
 )
 
+#: ``EventRunResourceQuerySet._insert_names``, by database alias and vendor.
+_INSERT_NAMES: dict[tuple[str, str], tuple[str, str, str]] = {}
+
 _LIVE_PLACEHOLDER = Prepared(
     lambda base, *, owner, key, run: (
         base.filter(owner_module=owner, kind=STEP_KIND, ref=key, run=run, status__in=LIVE)
@@ -654,6 +769,11 @@ class EventRunResourceQuerySet(models.QuerySet):
             return new_id
         # This step's earlier attempt wrote it, and it is still live. One that a sweeper
         # is giving back (reverting) is not reused: the caller must not perform under it.
+        return self.live_placeholder(run, owner, key)
+
+    def live_placeholder(self, run: Any, owner: str, key: str) -> int | None:
+        """The id of the step's live ``@step`` row (``pending`` or ``confirmed``): not
+        one that a sweeper is giving back."""
         found = _LIVE_PLACEHOLDER.rows(self, owner=owner, key=key, run=_pk(run))
         return found[0][0] if found else None
 
@@ -683,6 +803,22 @@ class EventRunResourceQuerySet(models.QuerySet):
                     last_id = cursor.lastrowid
         return inserted, last_id
 
+    def _insert_names(self, conn: Any) -> tuple[str, str, str]:
+        """The quoted names an INSERT of ``_inserts`` uses on ``conn``: its table, its
+        columns, the steps' table. Quoted once per database: a step sends two INSERTs,
+        and quoting fourteen names each time showed in its profile."""
+        key = (conn.alias, conn.vendor)
+        found = _INSERT_NAMES.get(key)
+        if found is None:
+            quote = conn.ops.quote_name
+            steps = self.model._meta.get_field("step").related_model._meta.db_table
+            found = _INSERT_NAMES[key] = (
+                quote(self.model._meta.db_table),
+                ", ".join(quote(c) for c in _INSERTED_COLUMNS),
+                quote(steps),
+            )
+        return found
+
     def _inserts(
         self,
         conn: Any,
@@ -701,11 +837,8 @@ class EventRunResourceQuerySet(models.QuerySet):
         claim is that token, decided by the statement itself (an ``INSERT … SELECT``
         from the step), for a transaction sent in one trip, where no answer can be
         read between the claim and the insert."""
-        from django.core.serializers.json import DjangoJSONEncoder
-        from django.utils import timezone
-
         ops = conn.ops
-        table = ops.quote_name(self.model._meta.db_table)
+        table, names, steps = self._insert_names(conn)
         now = ops.adapt_datetimefield_value(timezone.now())
         # What every row shares is bound once per row as SQL literals the app made
         # itself (whole numbers, a fixed status); only the module's values are escaped.
@@ -738,15 +871,12 @@ class EventRunResourceQuerySet(models.QuerySet):
             head, tail = "INSERT INTO", " ON CONFLICT DO NOTHING"
             returning = " RETURNING id" if one else ""
         row_sql = f"{fixed}, %s, %s, %s, %s, %s, %s, '{status}', 0, 0, %s, %s"
-        names = ", ".join(ops.quote_name(c) for c in _INSERTED_COLUMNS)
         if under_claim is not None:
             assert one and step_id is not None and conn.vendor == "mysql"
-            steps = ops.quote_name(self.model._meta.get_field("step").related_model._meta.db_table)
             return [
                 (
                     f"{head} {table} ({names}) SELECT {row_sql} FROM {steps} "
-                    f"WHERE {ops.quote_name('id')} = {step_id} "
-                    f"AND {ops.quote_name('claim_token')} = %s",
+                    f"WHERE `id` = {step_id} AND `claim_token` = %s",
                     [*values[0], values[0][-1], under_claim],
                     False,
                 )

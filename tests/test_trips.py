@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import pytest
 from django.db import OperationalError, connection, connections
+from django.utils.timezone import now
 
 from events_ledger import Action
 from events_ledger.db import in_trips, sends_together, statements_retried
@@ -119,6 +120,67 @@ def test_a_refused_commit_runs_the_whole_transaction_again_never_the_commit_alon
     assert refused and len(runs) == 2
     assert EventRun.objects.filter(name="trip-c").count() == 1
     assert _seen_elsewhere("trip-c")
+
+
+mariadb_only = pytest.mark.skipif(
+    "connection.vendor != 'mysql' or not connection.mysql_is_mariadb",
+    reason="a compound statement outside a stored program: MariaDB only",
+)
+
+
+@world
+@mariadb_only
+def test_mariadb_commits_in_the_same_trip_only_when_every_count_is_as_expected():  # W5, #12
+    """The server reads each statement's count and commits or rolls back itself: the
+    trip answers whether it committed, and what it rolled back is seen by nobody."""
+
+    def fn(name, expected):
+        return lambda trips: trips.send_committing_if([_insert_run(name)], expected)
+
+    assert in_trips(fn("trip-e", [1])) is True
+    assert _seen_elsewhere("trip-e")
+    assert in_trips(fn("trip-f", [2])) is False  # one row went in, two were expected
+    assert not _seen_elsewhere("trip-f")
+    assert not connection.in_atomic_block and connection.get_autocommit()
+    EventRun.objects.create(name="trip-f-after")  # autocommit again: it commits
+    assert _seen_elsewhere("trip-f-after") and not _seen_elsewhere("trip-f")
+
+
+@world
+@mariadb_only
+def test_a_statement_that_fails_in_the_compound_statement_commits_nothing():  # W5, rule 1
+    sql, params = _insert_run("trip-g")
+    broken = ("UPDATE " + _table() + " SET no_such_column = 1", [])
+
+    with pytest.raises(Exception, match="no_such_column"):
+        in_trips(lambda trips: trips.send_committing_if([(sql, params), broken], [1, 1]))
+    assert not _seen_elsewhere("trip-g")
+    EventRun.objects.create(name="trip-g-after")
+    assert _seen_elsewhere("trip-g-after") and not _seen_elsewhere("trip-g")
+
+
+@world
+@mariadb_only
+def test_a_compound_statement_the_server_refused_is_run_again_whole():  # W5
+    """Refused (a deadlock victim, or a write Galera's certification refused at its
+    COMMIT), the block's transaction is gone: the whole transaction is run again."""
+    refused: list[str] = []
+    runs: list[int] = []
+
+    def refuse_first_block(execute, query, args, many, context):
+        if "BEGIN NOT ATOMIC" in query and not refused:
+            refused.append(query)
+            raise OperationalError(1213, "Deadlock found when trying to get lock")
+        return execute(query, args, many, context)
+
+    def fn(trips):
+        runs.append(1)
+        return trips.send_committing_if([_insert_run("trip-h")], [1])
+
+    with statements_retried(), connection.execute_wrapper(refuse_first_block):
+        assert in_trips(fn) is True
+    assert refused and len(runs) == 2
+    assert EventRun.objects.filter(name="trip-h").count() == 1
 
 
 # ── the step through trips, and every case it leaves to the general path ──
@@ -266,6 +328,83 @@ def test_a_step_of_an_ended_run_is_failed_without_a_call(isolated_registry):  # 
     result = execute_step(step)
     assert result.outcome == "failed" and "cancelled" in result.error and calls == []
     assert not Res.filter(run=run, kind=STEP_KIND).exists()
+
+
+# A step passed as an instance is not read before its claim (#12): nothing the instance
+# says is trusted but what never changes. These run on every database; on MariaDB they
+# prove the trip's claim, on the others the general path's read.
+
+
+def _counting(isolated_registry) -> list[dict]:
+    calls: list[dict] = []
+    _action(isolated_registry, lambda **kw: calls.append(kw["params"]) or {"ok": True})
+    return calls
+
+
+@world
+def test_a_step_passed_as_read_before_its_run_ended_is_not_performed(isolated_registry):  # W5
+    calls = _counting(isolated_registry)
+    run = new_run()
+    step = new_step(run, "t.trip")  # the caller's instance, read while the run ran
+    EventRun.objects.filter(pk=run.pk).update(status="cancelled")
+    result = execute_step(step)
+    assert result.outcome == "failed" and "cancelled" in result.error and calls == []
+    assert not Res.filter(run=run, kind=STEP_KIND).exists()
+    run.refresh_from_db()
+    assert run.cleanup_status == "not_required"  # nothing to give back: not marked
+
+
+@world
+def test_a_step_passed_as_read_before_its_attempts_ran_out_is_not_performed(
+    isolated_registry, settings
+):  # W5, bounds: MAX_STEP_ATTEMPTS
+    settings.EVENTS_LEDGER = {"MAX_STEP_ATTEMPTS": 2}
+    calls = _counting(isolated_registry)
+    step = new_step(new_run(), "t.trip")
+    EventRunStep.objects.filter(pk=step.pk).update(attempts=2)  # two workers died meanwhile
+    assert step.attempts == 0
+    result = execute_step(step)
+    assert result.outcome == "failed" and "without a written outcome" in result.error
+    assert calls == []
+
+
+@world
+def test_a_step_passed_as_read_before_its_params_changed_is_performed_with_the_stored_ones(
+    isolated_registry,
+):  # W5
+    calls = _counting(isolated_registry)
+    step = new_step(new_run(), "t.trip", {"n": 1})
+    EventRunStep.objects.filter(pk=step.pk).update(params={"n": 2})
+    assert execute_step(step).outcome == "done"
+    assert calls == [{"n": 2}]
+
+
+@world
+def test_a_step_retried_after_its_worker_died_reuses_its_placeholder(isolated_registry):
+    # W2, W5: the earlier attempt's claim went stale with its placeholder live
+    calls = _counting(isolated_registry)
+    run = new_run()
+    step = new_step(run, "t.trip")
+    EventRunStep.objects.filter(pk=step.pk).update(
+        status="running", attempts=1, claim_token="dead", claimed_at=now() - timedelta(days=1)
+    )
+    earlier = Res.create(
+        run=run, step=step, owner_module="t", kind=STEP_KIND, ref=step.idempotency_key
+    )
+    result = execute_step(step)
+    assert result.outcome == "done" and len(calls) == 1
+    placeholders = Res.filter(run=run, kind=STEP_KIND)
+    assert [p.pk for p in placeholders] == [earlier.pk]
+    assert placeholders.get().status == "reverted"
+    step.refresh_from_db()
+    assert (step.status, step.attempts) == ("done", 2)
+
+
+@world
+def test_a_step_not_saved_is_refused_clearly(isolated_registry):  # W5, S: a wrong id
+    _counting(isolated_registry)
+    with pytest.raises(EventRunStep.DoesNotExist):
+        execute_step(EventRunStep(run=new_run(), action_id="t.trip"))
 
 
 @world
