@@ -249,9 +249,10 @@ def both_ways(shape: Shape, rounds: int = 2) -> dict[str, Any]:
 
 
 def warm_up() -> None:
-    """A few steps both ways first, unreported: connections, the claim keeper's thread
-    and Django's caches are then set up before anything is timed."""
-    shape = Shape(resources=2, runs=3)
+    """Steps both ways first, unreported: connections, the claim keeper's thread and
+    Django's caches are then set up, and a server started just before (as ``make bench``
+    starts its own) has its tables' pages in memory, before anything is timed."""
+    shape = Shape(resources=2, runs=100)
     ledger_way(shape)
     per_row_way(shape)
 
