@@ -262,6 +262,12 @@ def sends_together(using: str = "default") -> bool:
     )
 
 
+def runs_compound(conn: Any) -> bool:
+    """Whether the server runs a compound statement outside a stored program
+    (``BEGIN NOT ATOMIC``): MariaDB does, MySQL does not."""
+    return bool(getattr(conn, "mysql_is_mariadb", False))
+
+
 @dataclass(frozen=True)
 class Answer:
     """One statement's result in a trip: the rows it counts (matched rows for an
@@ -319,8 +325,30 @@ class Trips:
 
     @property
     def commits_if(self) -> bool:
-        """Whether ``send_committing_if`` can decide the commit on the server (MariaDB)."""
-        return bool(getattr(self._conn, "mysql_is_mariadb", False))
+        """Whether the server runs compound statements (``send_committing_if``,
+        ``send_compound``): MariaDB."""
+        return runs_compound(self._conn)
+
+    def send_compound(self, block: Statement) -> list[Answer]:
+        """Send one compound statement that opens and ends its own transaction; answers
+        the result of each SELECT it ran, in order. Only where ``commits_if`` says so.
+        A statement that fails ends the block with its transaction still open, for
+        ``in_trips`` to roll back."""
+        assert self.commits_if and not self.begun
+        self.begun = True
+        answers: list[Answer] = []
+        conn = self._conn
+        with conn.cursor() as cursor:
+            cursor.execute(*block)
+            raw = cursor.cursor
+            with conn.wrap_database_errors:
+                while True:
+                    if raw.description:
+                        answers.append(Answer(max(int(raw.rowcount), 0), list(raw.fetchall())))
+                    if not raw.nextset():
+                        break
+        self.ended = True
+        return answers
 
     def send_committing_if(self, statements: list[Statement], expected: list[int]) -> bool:
         """Send ``statements`` and, in the same round trip, COMMIT when each counts the

@@ -12,11 +12,11 @@ from django.db import DEFAULT_DB_ALIAS, connection, router
 from . import signals
 from .conf import ledger_settings
 from .db import (
-    Answer,
     Trips,
     bounded,
     in_transaction,
     in_trips,
+    runs_compound,
     sends_together,
     statements_retried,
     storable,
@@ -389,14 +389,16 @@ def _begin_in_one_trip(step_id: int, known: EventRunStep | None) -> _Begun | Ste
     """``_begin`` for the common case, where the connection sends several statements in
     one round trip (``db.sends_together``): a ``ledger`` action that may run, on a run
     that has not ended. Its transaction (the dirty mark, the claim, the placeholder
-    inserted only under that claim, the step read back with its run and live
-    placeholder, COMMIT) is one trip, against seven through ``atomic``; with the step
-    ``known`` (the caller passed it), the trip is the step's only one before its call.
+    inserted only under that claim, the step's attempts and parameters read back,
+    COMMIT) is one trip, against seven through ``atomic``: on MariaDB one compound
+    statement (``claim_block``), elsewhere the statements one after the other
+    (``claim_live_statements``). With the step ``known`` (the caller passed it), the
+    trip is the step's only one before its call.
 
     Nothing the caller's instance says is trusted but what never changes (the run,
     the action, the key, phase and seq): whether the step may be claimed, its attempt
-    bound and whether its run has ended are decided by the claim's statement, and what
-    the call needs is read back under the claim. Answers None for ``_begin`` to decide
+    bound and whether its run has ended are decided on the server, and what the call
+    needs is read back under the claim. Answers None for ``_begin`` to decide
     whatever else: another case, or a claim this one lost (nothing of it is written
     but the dirty mark, which ``_begin`` would write the same)."""
     step = known if known is not None else EventRunStep.objects.with_run(step_id)
@@ -414,7 +416,12 @@ def _begin_in_one_trip(step_id: int, known: EventRunStep | None) -> _Begun | Ste
     if known is None and (step.run.status in EventRun.TERMINAL or step.attempts >= max_attempts):
         return None  # read just now: no claim to try
     bind(run_id=step.run_id, action=step.action_id, owner=action.owner)  # #15
-    claim = EventRunStep.objects.claim_live_statements(
+    build = (
+        EventRunStep.objects.claim_block
+        if runs_compound(connection)
+        else EventRunStep.objects.claim_live_statements
+    )
+    claim = build(
         step,
         ledger_settings.STEP_CLAIM_TTL,
         process_name(),
@@ -423,25 +430,30 @@ def _begin_in_one_trip(step_id: int, known: EventRunStep | None) -> _Begun | Ste
         {"action": action.id, "phase": step.phase, "seq": step.seq},
     )
     statements = claim.statements
-    if known is not None or step.run.cleanup_status in (
-        CleanupStatus.NOT_REQUIRED,
-        CleanupStatus.COMPLETE,
+    if not claim.compound and (
+        known is not None
+        or step.run.cleanup_status in (CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE)
     ):
         # The run's row first, before the claim (see ``_begin``). A step not read first
         # sends it whatever the run's mark: the statement writes only where needed.
         statements = [EventRun.objects.mark_dirty_statement(step.run_id), *statements]
 
-    def send(trips: Trips) -> tuple[int, Answer, list[tuple[Any, ...]]]:
+    def send(trips: Trips) -> tuple[bool, int | None, list[tuple[Any, ...]]]:
+        if claim.compound:
+            [read] = trips.send_compound(statements[0])
+            return bool(read.rows), None, read.rows
         *_, claimed, inserted, read = trips.send(statements, commit=True)
-        return claimed.rowcount, inserted, read.rows
+        inserted_id = inserted.last_id if inserted.rowcount == 1 else None
+        return claimed.rowcount == 1 and bool(read.rows), inserted_id, read.rows
 
-    claimed, inserted, rows = in_trips(send)
-    if claimed != 1 or not rows:
+    claimed, placeholder_id, rows = in_trips(send)
+    if not claimed:
         return None
-    step = EventRunStep.objects.claimed(step, claim.token, rows)
-    if inserted.rowcount == 1 and inserted.last_id:
-        placeholder_id: int | None = inserted.last_id
+    if claim.compound:
+        step, placeholder_id = EventRunStep.objects.claimed_in_block(step, claim.token, rows)
     else:
+        step = EventRunStep.objects.claimed(step, claim.token, rows)
+    if placeholder_id is None:
         # Not inserted under the claim: this step's earlier attempt wrote it. The
         # claim is this call's now (committed), so it is read once, as ``_begin`` does.
         placeholder_id = EventRunResource.objects.live_placeholder(

@@ -127,6 +127,12 @@ def _set_cleanup_status(
 
 
 _SET_CLEANUP_STATUS = Prepared(_set_cleanup_status, run=int, status=str)
+_LIVE_RUN = Prepared(
+    lambda base, *, run: (
+        base.filter(pk=run).exclude(status__in=RUN_TERMINAL).order_by().values_list("pk")
+    ),
+    run=int,
+)
 _MARK_DIRTY_IF_LIVE = Prepared(
     lambda base, *, run: (
         base.filter(
@@ -177,6 +183,10 @@ class EventRunQuerySet(models.QuerySet):
         ``pending``) as a statement, for ``db.in_trips``: only while the run has not
         ended, as ``ledger`` marks it only then."""
         return _MARK_DIRTY_IF_LIVE.statement(self, run=_pk(run))
+
+    def live_statement(self, run: Any) -> Statement:
+        """A SELECT of the run's id, only while it has not ended."""
+        return _LIVE_RUN.statement(self, run=_pk(run))
 
     def _derived_cleanup_status(self, max_attempts: int, max_claims: int) -> Case:
         rows = _manager(self.model, "resources").filter(run=OuterRef("pk"))
@@ -375,6 +385,35 @@ def _claim_live(
 
 
 _CLAIM_LIVE = Prepared(_claim_live, step=int, token=str, by=str, action=str)
+
+
+def _is(variable: str) -> RawSQL:
+    """A condition on a variable of ``EventRunStepQuerySet.claim_block``'s compound
+    statement, as a filter."""
+    return RawSQL(f"{variable} = 1", [], output_field=BooleanField())
+
+
+def _claim_in_block(
+    base: Any, ttl: timedelta, max_attempts: int, *, step: int, token: str, by: str, action: str
+) -> tuple[Any, dict[str, Any]]:
+    qs, values = _claim(base, ttl, step=step, token=token, by=by)
+    return qs.filter(action_id=action, attempts__lt=max_attempts).filter(_is("live")), values
+
+
+_CLAIM_IN_BLOCK = Prepared(_claim_in_block, step=int, token=str, by=str, action=str)
+_CLAIMED_IN_BLOCK = Prepared(
+    lambda base, *, step: (
+        base.filter(pk=step)
+        .filter(_is("claimed"))
+        .order_by()
+        .annotate(
+            inserted_rows=RawSQL("inserted_rows", [], output_field=models.IntegerField()),
+            inserted_id=RawSQL("inserted_id", [], output_field=models.IntegerField()),
+        )
+        .values_list("attempts", "params", "inserted_rows", "inserted_id")
+    ),
+    step=int,
+)
 _ATTEMPTS = Prepared(
     lambda base, *, step: base.filter(pk=step).order_by().values_list("attempts"), step=int
 )
@@ -435,6 +474,9 @@ class LiveClaim:
 
     token: str
     statements: list[Statement]
+    #: Sent as one compound statement (``claim_block``): its one SELECT answers the
+    #: placeholder's insert too.
+    compound: bool = False
 
 
 class EventRunStepQuerySet(models.QuerySet):
@@ -485,11 +527,76 @@ class EventRunStepQuerySet(models.QuerySet):
         read = _CLAIMED.statement(self, step=_pk(step), token=token)
         return LiveClaim(token, [claim, (insert, params), read])
 
+    def claim_block(
+        self,
+        step: Any,
+        ttl: timedelta,
+        by: str | None,
+        max_attempts: int,
+        owner: str,
+        payload: Mapping[str, Any],
+    ) -> LiveClaim:
+        """``claim_live_statements`` with the run's dirty mark, as one compound statement
+        (MariaDB's ``BEGIN NOT ATOMIC``) that commits at its end: the server decides each
+        step on the counts of the one before. The run's mark matching tells the run has
+        not ended (else its status is read); the claim is tried only then; the
+        placeholder goes in (a plain INSERT, no read of the step) only when the claim
+        was won; one SELECT answers the step's attempts and parameters with the
+        INSERT's count and id, only when the claim was won."""
+        token = new_token()
+        runs = _manager(self.model, "run").all()
+        live_sql, live_params = runs.live_statement(step.run_id)
+        resources = _manager(runs.model, "resources").all()
+        [(insert, insert_params, _)] = resources._inserts(
+            connections[self.db],
+            step.run_id,
+            step,
+            owner,
+            [{"kind": STEP_KIND, "ref": step.idempotency_key, "payload": payload}],
+            ResourceStatus.PENDING,
+            only_if="claimed = 1",
+        )
+        claim = _CLAIM_IN_BLOCK.statement(
+            self, ttl, max_attempts, step=_pk(step), token=token, by=by, action=step.action_id
+        )
+        parts: list[Statement] = [
+            (
+                "BEGIN NOT ATOMIC\nDECLARE marked, live, claimed, inserted_rows, inserted_id "
+                "BIGINT DEFAULT 0",
+                [],
+            ),
+            ("START TRANSACTION", []),
+            runs.mark_dirty_statement(step.run_id),
+            ("SET marked = ROW_COUNT()", []),
+            (f"SET live = IF(marked = 1, 1, EXISTS({live_sql}))", list(live_params)),
+            claim,
+            ("SET claimed = ROW_COUNT()", []),
+            (insert, insert_params),
+            ("SET inserted_rows = ROW_COUNT(), inserted_id = LAST_INSERT_ID()", []),
+            _CLAIMED_IN_BLOCK.statement(self, step=_pk(step)),
+            ("COMMIT", []),
+            ("END", []),
+        ]
+        block = (";\n".join(sql for sql, _ in parts), [p for _, ps in parts for p in ps])
+        return LiveClaim(token, [block], compound=True)
+
     def claimed(self, step: Any, token: str, rows: Sequence[Sequence[Any]]) -> Any:
         """The step as the claim of ``claim_live_statements`` left it, from ``step``'s
         columns that never change and the rows its read answered; its run is cached
         as its id alone (the rest of it deferred)."""
         [(attempts, params)] = _CLAIMED.converted(self, rows)
+        return self._claimed(step, token, attempts, params)
+
+    def claimed_in_block(
+        self, step: Any, token: str, rows: Sequence[Sequence[Any]]
+    ) -> tuple[Any, int | None]:
+        """``claimed`` for ``claim_block``'s answer: the step, and the placeholder's id
+        when the INSERT put it in (None: this step's earlier attempt wrote it)."""
+        [(attempts, params, inserted, new_id)] = _CLAIMED_IN_BLOCK.converted(self, rows)
+        placeholder = int(new_id) if inserted == 1 and new_id else None
+        return self._claimed(step, token, attempts, params), placeholder
+
+    def _claimed(self, step: Any, token: str, attempts: int, params: Any) -> Any:
         found = self.model.from_db(
             self.db,
             STEP_COLUMNS,
@@ -829,6 +936,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         status: str,
         *,
         under_claim: str | None = None,
+        only_if: str | None = None,
     ) -> list[tuple[str, list[Any], bool]]:
         """The INSERT statements of ``_insert_ignoring_held``: (sql, params, whether it
         answers the new id with RETURNING), one per chunk of rows.
@@ -836,7 +944,8 @@ class EventRunResourceQuerySet(models.QuerySet):
         ``under_claim`` (one row, MySQL only): the row goes in only while the step's
         claim is that token, decided by the statement itself (an ``INSERT … SELECT``
         from the step), for a transaction sent in one trip, where no answer can be
-        read between the claim and the insert."""
+        read between the claim and the insert. ``only_if`` (one row, MariaDB only): the
+        row goes in only when that condition on a compound statement's variables holds."""
         ops = conn.ops
         table, names, steps = self._insert_names(conn)
         now = ops.adapt_datetimefield_value(timezone.now())
@@ -871,6 +980,15 @@ class EventRunResourceQuerySet(models.QuerySet):
             head, tail = "INSERT INTO", " ON CONFLICT DO NOTHING"
             returning = " RETURNING id" if one else ""
         row_sql = f"{fixed}, %s, %s, %s, %s, %s, %s, '{status}', 0, 0, %s, %s"
+        if only_if is not None:
+            assert one and conn.vendor == "mysql"
+            return [
+                (
+                    f"{head} {table} ({names}) SELECT {row_sql} FROM DUAL WHERE {only_if}",
+                    [*values[0], values[0][-1]],
+                    False,
+                )
+            ]
         if under_claim is not None:
             assert one and step_id is not None and conn.vendor == "mysql"
             return [
