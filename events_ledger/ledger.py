@@ -12,11 +12,11 @@ from django.db import DEFAULT_DB_ALIAS, connection, router
 from . import signals
 from .conf import ledger_settings
 from .db import (
+    Answer,
     Trips,
     bounded,
     in_transaction,
     in_trips,
-    runs_compound,
     sends_together,
     statements_retried,
     storable,
@@ -391,8 +391,8 @@ def _begin_in_one_trip(step_id: int, known: EventRunStep | None) -> _Begun | Ste
     that has not ended. Its transaction (the dirty mark, the claim, the placeholder
     inserted only under that claim, the step's attempts and parameters read back,
     COMMIT) is one trip, against seven through ``atomic``: on MariaDB one compound
-    statement (``claim_block``), elsewhere the statements one after the other
-    (``claim_live_statements``). With the step ``known`` (the caller passed it), the
+    statement, elsewhere the statements one after the other
+    (``EventRunStep.objects.claim_unread``). With the step ``known`` (the caller passed it), the
     trip is the step's only one before its call.
 
     Nothing the caller's instance says is trusted but what never changes (the run,
@@ -416,43 +416,27 @@ def _begin_in_one_trip(step_id: int, known: EventRunStep | None) -> _Begun | Ste
     if known is None and (step.run.status in EventRun.TERMINAL or step.attempts >= max_attempts):
         return None  # read just now: no claim to try
     bind(run_id=step.run_id, action=step.action_id, owner=action.owner)  # #15
-    build = (
-        EventRunStep.objects.claim_block
-        if runs_compound(connection)
-        else EventRunStep.objects.claim_live_statements
-    )
-    claim = build(
+    claim = EventRunStep.objects.claim_unread(
         step,
         ledger_settings.STEP_CLAIM_TTL,
         process_name(),
         max_attempts,
         action.owner,
         {"action": action.id, "phase": step.phase, "seq": step.seq},
+        # A step read first leaves the run's mark out when the read shows it pending.
+        mark_run=known is not None
+        or step.run.cleanup_status in (CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE),
     )
-    statements = claim.statements
-    if not claim.compound and (
-        known is not None
-        or step.run.cleanup_status in (CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE)
-    ):
-        # The run's row first, before the claim (see ``_begin``). A step not read first
-        # sends it whatever the run's mark: the statement writes only where needed.
-        statements = [EventRun.objects.mark_dirty_statement(step.run_id), *statements]
 
-    def send(trips: Trips) -> tuple[bool, int | None, list[tuple[Any, ...]]]:
+    def send(trips: Trips) -> list[Answer]:
         if claim.compound:
-            [read] = trips.send_compound(statements[0])
-            return bool(read.rows), None, read.rows
-        *_, claimed, inserted, read = trips.send(statements, commit=True)
-        inserted_id = inserted.last_id if inserted.rowcount == 1 else None
-        return claimed.rowcount == 1 and bool(read.rows), inserted_id, read.rows
+            return trips.send_compound(claim.statements[0])
+        return trips.send(claim.statements, commit=True)
 
-    claimed, placeholder_id, rows = in_trips(send)
-    if not claimed:
+    won = EventRunStep.objects.claim_won(claim, step, in_trips(send))
+    if won is None:
         return None
-    if claim.compound:
-        step, placeholder_id = EventRunStep.objects.claimed_in_block(step, claim.token, rows)
-    else:
-        step = EventRunStep.objects.claimed(step, claim.token, rows)
+    step, placeholder_id = won
     if placeholder_id is None:
         # Not inserted under the claim: this step's earlier attempt wrote it. The
         # claim is this call's now (committed), so it is read once, as ``_begin`` does.

@@ -34,12 +34,14 @@ from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from .db import (
+    Answer,
     Prepared,
     Statement,
     UtcNow,
     chunked,
     is_unique_violation,
     retrying_deadlocks,
+    runs_compound,
     storable,
 )
 from .states import (
@@ -170,13 +172,6 @@ class EventRunQuerySet(models.QuerySet):
         """Set ``cleanup_status``, from the given statuses only when named."""
         only = None if only_from is None else tuple(only_from)
         return _SET_CLEANUP_STATUS.update(self, only, run=_pk(run), status=status) == 1
-
-    def cleanup_status_statement(
-        self, run: Any, status: str, only_from: Iterable[str] | None = None
-    ) -> Statement:
-        """``set_cleanup_status`` as a statement, for ``db.in_trips``."""
-        only = None if only_from is None else tuple(only_from)
-        return _SET_CLEANUP_STATUS.statement(self, only, run=_pk(run), status=status)
 
     def mark_dirty_statement(self, run: Any) -> Statement:
         """The run's first ledgered step's mark (``not_required``/``complete`` →
@@ -371,36 +366,37 @@ _CLAIM = Prepared(_claim, step=int, token=str, by=str)
 _CLAIM_AT = Prepared(_claim, step=int, token=str, by=str, attempts=int)
 
 
-def _claim_live(
-    base: Any, ttl: timedelta, max_attempts: int, *, step: int, token: str, by: str, action: str
-) -> tuple[Any, dict[str, Any]]:
-    qs, values = _claim(base, ttl, step=step, token=token, by=by)
-    runs = _manager(base.model, "run").filter(pk=OuterRef("run_id"))
-    return (
-        qs.filter(action_id=action, attempts__lt=max_attempts).filter(
-            Exists(runs.exclude(status__in=RUN_TERMINAL))
-        ),
-        values,
-    )
-
-
-_CLAIM_LIVE = Prepared(_claim_live, step=int, token=str, by=str, action=str)
-
-
 def _is(variable: str) -> RawSQL:
-    """A condition on a variable of ``EventRunStepQuerySet.claim_block``'s compound
+    """A condition on a variable of ``EventRunStepQuerySet._claim_block``'s compound
     statement, as a filter."""
     return RawSQL(f"{variable} = 1", [], output_field=BooleanField())
 
 
-def _claim_in_block(
-    base: Any, ttl: timedelta, max_attempts: int, *, step: int, token: str, by: str, action: str
+def _claim_unread(
+    base: Any,
+    ttl: timedelta,
+    max_attempts: int,
+    live: str | None,
+    *,
+    step: int,
+    token: str,
+    by: str,
+    action: str,
 ) -> tuple[Any, dict[str, Any]]:
+    """``_claim`` of a step not read first: also only while it is still of ``action``,
+    under ``max_attempts``, and its run has not ended, which the run's status tells
+    (``live`` None) or a compound statement's variable named ``live``."""
     qs, values = _claim(base, ttl, step=step, token=token, by=by)
-    return qs.filter(action_id=action, attempts__lt=max_attempts).filter(_is("live")), values
+    not_ended: Exists | RawSQL
+    if live is None:
+        runs = _manager(base.model, "run").filter(pk=OuterRef("run_id"))
+        not_ended = Exists(runs.exclude(status__in=RUN_TERMINAL))
+    else:
+        not_ended = _is(live)
+    return qs.filter(action_id=action, attempts__lt=max_attempts).filter(not_ended), values
 
 
-_CLAIM_IN_BLOCK = Prepared(_claim_in_block, step=int, token=str, by=str, action=str)
+_CLAIM_UNREAD = Prepared(_claim_unread, step=int, token=str, by=str, action=str)
 _CLAIMED_IN_BLOCK = Prepared(
     lambda base, *, step: (
         base.filter(pk=step)
@@ -467,14 +463,13 @@ _CLAIMED = Prepared(
 
 @dataclass(frozen=True)
 class LiveClaim:
-    """``claim_live_statements``: the token, and the statements to send in one trip
-    after the run's dirty mark: the claim (won when it counts one row), the
-    ``@step`` placeholder inserted only under it (its id, when it went in, is the
-    insert's), then the read of the step's attempts and parameters under it."""
+    """``claim_unread``'s transaction: the token, and the statements to send in one
+    trip (``Trips.send`` with COMMIT), or the one compound statement
+    (``Trips.send_compound``)."""
 
     token: str
     statements: list[Statement]
-    #: Sent as one compound statement (``claim_block``): its one SELECT answers the
+    #: Sent as one compound statement (``_claim_block``): its one SELECT answers the
     #: placeholder's insert too.
     compound: bool = False
 
@@ -496,7 +491,7 @@ class EventRunStepQuerySet(models.QuerySet):
         field.set_cached_value(found, run)
         return found
 
-    def claim_live_statements(
+    def claim_unread(
         self,
         step: Any,
         ttl: timedelta,
@@ -504,30 +499,32 @@ class EventRunStepQuerySet(models.QuerySet):
         max_attempts: int,
         owner: str,
         payload: Mapping[str, Any],
+        *,
+        mark_run: bool = True,
     ) -> LiveClaim:
-        """The claim of a step not yet read, for ``db.in_trips``: won only while the step
-        is claimable, still of its action, under ``max_attempts`` and its run has not
-        ended, each decided by the statement itself; then the step's placeholder, and
-        the step's attempts and parameters read back under the claim (``claimed``
-        reads them). A claim lost reads nothing."""
+        """The transaction that claims a step not read first, for ``db.in_trips``: the
+        run's dirty mark (``mark_run``), the claim, won only while the step is
+        claimable, still of its action, under ``max_attempts`` and its run has not
+        ended, each decided on the server; the step's placeholder, inserted only under
+        the claim; the step's attempts and parameters read back under it, then COMMIT.
+        ``claim_won`` reads what it answered. On MariaDB it is one compound statement
+        (``_claim_block``), which carries the run's mark whatever ``mark_run`` says;
+        elsewhere the statements one after the other."""
+        if runs_compound(connections[self.db]):
+            return self._claim_block(step, ttl, by, max_attempts, owner, payload)
         token = new_token()
-        claim = _CLAIM_LIVE.statement(
-            self, ttl, max_attempts, step=_pk(step), token=token, by=by, action=step.action_id
+        runs = _manager(self.model, "run").all()
+        claim = _CLAIM_UNREAD.statement(
+            self, ttl, max_attempts, None, step=_pk(step), token=token, by=by, action=step.action_id
         )
-        resources = _manager(_manager(self.model, "run").model, "resources").all()
-        [(insert, params, _)] = resources._inserts(
-            connections[self.db],
-            step.run_id,
-            step,
-            owner,
-            [{"kind": STEP_KIND, "ref": step.idempotency_key, "payload": payload}],
-            ResourceStatus.PENDING,
-            under_claim=token,
-        )
+        resources = _manager(runs.model, "resources").all()
+        insert = resources.placeholder_insert(step, owner, payload, under_claim=token)
         read = _CLAIMED.statement(self, step=_pk(step), token=token)
-        return LiveClaim(token, [claim, (insert, params), read])
+        # The run's row first, before the claim (see ``ledger._begin``).
+        mark = [runs.mark_dirty_statement(step.run_id)] if mark_run else []
+        return LiveClaim(token, [*mark, claim, insert, read])
 
-    def claim_block(
+    def _claim_block(
         self,
         step: Any,
         ttl: timedelta,
@@ -536,28 +533,26 @@ class EventRunStepQuerySet(models.QuerySet):
         owner: str,
         payload: Mapping[str, Any],
     ) -> LiveClaim:
-        """``claim_live_statements`` with the run's dirty mark, as one compound statement
-        (MariaDB's ``BEGIN NOT ATOMIC``) that commits at its end: the server decides each
-        step on the counts of the one before. The run's mark matching tells the run has
-        not ended (else its status is read); the claim is tried only then; the
-        placeholder goes in (a plain INSERT, no read of the step) only when the claim
-        was won; one SELECT answers the step's attempts and parameters with the
-        INSERT's count and id, only when the claim was won."""
+        """``claim_unread`` as one compound statement (MariaDB's ``BEGIN NOT ATOMIC``)
+        that commits at its end: the server decides each step on the counts of the one
+        before. The run's mark matching tells the run has not ended (else its status is
+        read); the claim is tried only then; the placeholder goes in (a plain INSERT, no
+        read of the step) only when the claim was won; one SELECT answers the step's
+        attempts and parameters with the INSERT's count and id, only then too."""
         token = new_token()
         runs = _manager(self.model, "run").all()
         live_sql, live_params = runs.live_statement(step.run_id)
         resources = _manager(runs.model, "resources").all()
-        [(insert, insert_params, _)] = resources._inserts(
-            connections[self.db],
-            step.run_id,
-            step,
-            owner,
-            [{"kind": STEP_KIND, "ref": step.idempotency_key, "payload": payload}],
-            ResourceStatus.PENDING,
-            only_if="claimed = 1",
-        )
-        claim = _CLAIM_IN_BLOCK.statement(
-            self, ttl, max_attempts, step=_pk(step), token=token, by=by, action=step.action_id
+        insert = resources.placeholder_insert(step, owner, payload, only_if="claimed = 1")
+        claim = _CLAIM_UNREAD.statement(
+            self,
+            ttl,
+            max_attempts,
+            "live",
+            step=_pk(step),
+            token=token,
+            by=by,
+            action=step.action_id,
         )
         parts: list[Statement] = [
             (
@@ -571,7 +566,7 @@ class EventRunStepQuerySet(models.QuerySet):
             (f"SET live = IF(marked = 1, 1, EXISTS({live_sql}))", list(live_params)),
             claim,
             ("SET claimed = ROW_COUNT()", []),
-            (insert, insert_params),
+            insert,
             ("SET inserted_rows = ROW_COUNT(), inserted_id = LAST_INSERT_ID()", []),
             _CLAIMED_IN_BLOCK.statement(self, step=_pk(step)),
             ("COMMIT", []),
@@ -580,21 +575,26 @@ class EventRunStepQuerySet(models.QuerySet):
         block = (";\n".join(sql for sql, _ in parts), [p for _, ps in parts for p in ps])
         return LiveClaim(token, [block], compound=True)
 
-    def claimed(self, step: Any, token: str, rows: Sequence[Sequence[Any]]) -> Any:
-        """The step as the claim of ``claim_live_statements`` left it, from ``step``'s
-        columns that never change and the rows its read answered; its run is cached
-        as its id alone (the rest of it deferred)."""
-        [(attempts, params)] = _CLAIMED.converted(self, rows)
-        return self._claimed(step, token, attempts, params)
-
-    def claimed_in_block(
-        self, step: Any, token: str, rows: Sequence[Sequence[Any]]
-    ) -> tuple[Any, int | None]:
-        """``claimed`` for ``claim_block``'s answer: the step, and the placeholder's id
-        when the INSERT put it in (None: this step's earlier attempt wrote it)."""
-        [(attempts, params, inserted, new_id)] = _CLAIMED_IN_BLOCK.converted(self, rows)
-        placeholder = int(new_id) if inserted == 1 and new_id else None
-        return self._claimed(step, token, attempts, params), placeholder
+    def claim_won(
+        self, claim: LiveClaim, step: Any, answers: Sequence[Answer]
+    ) -> tuple[Any, int | None] | None:
+        """What ``claim_unread``'s transaction answered: None when the claim was lost;
+        else the step as the claim left it (from ``step``'s columns that never change
+        and what was read back; its run cached as its id alone), and the placeholder's
+        id when the INSERT put it in (None: this step's earlier attempt wrote it)."""
+        if claim.compound:
+            [read] = answers
+            if not read.rows:
+                return None
+            [(attempts, params, inserted, new_id)] = _CLAIMED_IN_BLOCK.converted(self, read.rows)
+            placeholder = int(new_id) if inserted == 1 and new_id else None
+        else:
+            *_, claimed, insert, read = answers
+            if claimed.rowcount != 1 or not read.rows:
+                return None
+            [(attempts, params)] = _CLAIMED.converted(self, read.rows)
+            placeholder = insert.last_id if insert.rowcount == 1 else None
+        return self._claimed(step, claim.token, attempts, params), placeholder
 
     def _claimed(self, step: Any, token: str, attempts: int, params: Any) -> Any:
         found = self.model.from_db(
@@ -644,16 +644,6 @@ class EventRunStepQuerySet(models.QuerySet):
         else:
             won = _CLAIM_AT.update(self, ttl, step=_pk(step), token=token, by=by, attempts=attempts)
         return token if won == 1 else None
-
-    def claim_statement(
-        self, step: Any, ttl: timedelta, by: str | None, *, attempts: int
-    ) -> tuple[str, Statement]:
-        """``claim(..., attempts=)`` as a statement, for ``db.in_trips``: the token it
-        writes, and the statement (won when it counts one row)."""
-        token = new_token()
-        return token, _CLAIM_AT.statement(
-            self, ttl, step=_pk(step), token=token, by=by, attempts=attempts
-        )
 
     def attempts_of(self, step: Any) -> int:
         rows = _ATTEMPTS.rows(self, step=_pk(step))
@@ -1013,26 +1003,28 @@ class EventRunResourceQuerySet(models.QuerySet):
 
     # ── statements for a transaction sent in few trips (``db.in_trips``) ──
 
-    def placeholder_statements(
-        self, run: Any, step: Any, owner: str, key: str, payload: Mapping[str, Any], token: str
-    ) -> list[Statement]:
-        """``reserve_placeholder`` as two statements sent with the step's claim: the
-        ``@step`` row, inserted only while the claim is ``token``; then the live
-        placeholder's id (this one, or the one this step's earlier attempt wrote)."""
-        conn = connections[self.db]
+    def placeholder_insert(
+        self,
+        step: Any,
+        owner: str,
+        payload: Mapping[str, Any],
+        *,
+        under_claim: str | None = None,
+        only_if: str | None = None,
+    ) -> Statement:
+        """The INSERT of a step's ``@step`` row as a statement sent with the step's
+        claim, in its one trip: going in only under the claim (see ``_inserts``)."""
         [(sql, params, _)] = self._inserts(
-            conn,
-            run,
+            connections[self.db],
+            step.run_id,
             step,
             owner,
-            [{"kind": STEP_KIND, "ref": key, "payload": payload}],
+            [{"kind": STEP_KIND, "ref": step.idempotency_key, "payload": payload}],
             ResourceStatus.PENDING,
-            under_claim=token,
+            under_claim=under_claim,
+            only_if=only_if,
         )
-        return [
-            (sql, params),
-            _LIVE_PLACEHOLDER.statement(self, owner=owner, key=key, run=_pk(run)),
-        ]
+        return sql, params
 
     def record_statement(
         self, run: Any, step: Any, owner: str, rows: Sequence[Mapping[str, Any]]

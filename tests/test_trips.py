@@ -10,6 +10,7 @@ says); the step tests run on every database, and on MySQL/MariaDB they go throug
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -94,6 +95,20 @@ def test_a_statement_that_fails_rolls_the_whole_trip_back():  # W5, rule 1, #12
     assert _seen_elsewhere("trip-b-after") and not _seen_elsewhere("trip-b")
 
 
+def _refusing_the_first(sent: Callable[[str], bool], refused: list[str]):
+    """An execute wrapper: the first query ``sent`` picks is refused as a deadlock victim
+    is (rolled back, error 1213), and noted in ``refused``; the rest go through."""
+
+    def wrapper(execute, query, args, many, context):
+        if sent(query) and not refused:
+            refused.append(query)
+            execute("ROLLBACK", None, many, context)  # what the server did to it
+            raise OperationalError(1213, "Deadlock found when trying to get lock")
+        return execute(query, args, many, context)
+
+    return wrapper
+
+
 @world
 @mysql_only
 def test_a_refused_commit_runs_the_whole_transaction_again_never_the_commit_alone():  # W5
@@ -104,12 +119,7 @@ def test_a_refused_commit_runs_the_whole_transaction_again_never_the_commit_alon
     refused: list[str] = []
     runs: list[int] = []
 
-    def refuse_first_commit(execute, query, args, many, context):
-        if query.strip() == "COMMIT" and not refused:
-            refused.append(query)
-            execute("ROLLBACK", None, many, context)  # what the server did to it
-            raise OperationalError(1213, "Deadlock found when trying to get lock")
-        return execute(query, args, many, context)
+    refuse_first_commit = _refusing_the_first(lambda query: query.strip() == "COMMIT", refused)
 
     def fn(trips):
         runs.append(1)
@@ -167,11 +177,7 @@ def test_a_compound_statement_the_server_refused_is_run_again_whole():  # W5
     refused: list[str] = []
     runs: list[int] = []
 
-    def refuse_first_block(execute, query, args, many, context):
-        if "BEGIN NOT ATOMIC" in query and not refused:
-            refused.append(query)
-            raise OperationalError(1213, "Deadlock found when trying to get lock")
-        return execute(query, args, many, context)
+    refuse_first_block = _refusing_the_first(lambda query: "BEGIN NOT ATOMIC" in query, refused)
 
     def fn(trips):
         runs.append(1)
