@@ -192,6 +192,22 @@ def test_a_compound_statement_the_server_refused_is_run_again_whole():  # W5
 # ── the step through trips, and every case it leaves to the general path ──
 
 
+@pytest.fixture(params=["compound", "statements"])
+def trip_form(request, monkeypatch):
+    """On MariaDB a step's trips are compound statements; MySQL, which has none outside
+    a stored program, is sent the same transactions as statements one after the other.
+    The step tests run both forms on MariaDB, so MySQL's is proven on a real server."""
+    if request.param == "statements":
+        if connection.vendor != "mysql" or not connection.mysql_is_mariadb:
+            pytest.skip("the statements' form is told apart from the compound one on MariaDB")
+        monkeypatch.setattr("events_ledger.querysets.runs_compound", lambda conn: False)
+        monkeypatch.setattr("events_ledger.db.runs_compound", lambda conn: False)
+    return request.param
+
+
+both_forms = pytest.mark.usefixtures("trip_form")
+
+
 def _action(isolated_registry, perform) -> Action:
     return ledger_action(isolated_registry, "t.trip", perform=perform)
 
@@ -201,6 +217,7 @@ def _placeholder(step: EventRunStep) -> EventRunResource:
 
 
 @world
+@both_forms
 def test_a_clean_step_records_its_rows_and_resolves_its_placeholder(
     isolated_registry,
 ):  # W2, W3, W5
@@ -224,6 +241,7 @@ def test_a_clean_step_records_its_rows_and_resolves_its_placeholder(
 
 
 @world
+@both_forms
 def test_a_step_whose_claim_is_held_answers_busy_and_writes_nothing(isolated_registry):  # W5
     calls: list[str] = []
     _action(isolated_registry, lambda **kw: calls.append(kw["idempotency_key"]) or {"ok": True})
@@ -238,6 +256,7 @@ def test_a_step_whose_claim_is_held_answers_busy_and_writes_nothing(isolated_reg
 
 
 @world
+@both_forms
 def test_a_placeholder_being_given_back_is_not_performed_under(isolated_registry):  # W2, R5
     calls: list[str] = []
     _action(isolated_registry, lambda **kw: calls.append(kw["idempotency_key"]) or {"ok": True})
@@ -259,6 +278,7 @@ def test_a_placeholder_being_given_back_is_not_performed_under(isolated_registry
 
 
 @world
+@both_forms
 def test_a_target_held_by_another_run_keeps_the_placeholder_and_says_who(
     isolated_registry,
 ):  # W3
@@ -284,6 +304,7 @@ def test_a_target_held_by_another_run_keeps_the_placeholder_and_says_who(
 
 
 @world
+@both_forms
 def test_a_claim_taken_over_during_the_call_keeps_the_rows_and_the_placeholder(
     isolated_registry,
 ):  # W3, W5, in flight
@@ -308,6 +329,7 @@ def test_a_claim_taken_over_during_the_call_keeps_the_rows_and_the_placeholder(
 
 
 @world
+@both_forms
 def test_an_answer_of_more_rows_than_one_insert_takes_is_recorded_whole(
     isolated_registry,
 ):  # W3, bulk
@@ -326,6 +348,7 @@ def test_an_answer_of_more_rows_than_one_insert_takes_is_recorded_whole(
 
 
 @world
+@both_forms
 def test_a_step_of_an_ended_run_is_failed_without_a_call(isolated_registry):  # W5
     calls: list[str] = []
     _action(isolated_registry, lambda **kw: calls.append(kw["idempotency_key"]) or {"ok": True})
@@ -348,6 +371,7 @@ def _counting(isolated_registry) -> list[dict]:
 
 
 @world
+@both_forms
 def test_a_step_passed_as_read_before_its_run_ended_is_not_performed(isolated_registry):  # W5
     calls = _counting(isolated_registry)
     run = new_run()
@@ -361,6 +385,7 @@ def test_a_step_passed_as_read_before_its_run_ended_is_not_performed(isolated_re
 
 
 @world
+@both_forms
 def test_a_step_passed_as_read_before_its_attempts_ran_out_is_not_performed(
     isolated_registry, settings
 ):  # W5, bounds: MAX_STEP_ATTEMPTS
@@ -375,6 +400,7 @@ def test_a_step_passed_as_read_before_its_attempts_ran_out_is_not_performed(
 
 
 @world
+@both_forms
 def test_a_step_passed_as_read_before_its_params_changed_is_performed_with_the_stored_ones(
     isolated_registry,
 ):  # W5
@@ -386,6 +412,7 @@ def test_a_step_passed_as_read_before_its_params_changed_is_performed_with_the_s
 
 
 @world
+@both_forms
 def test_a_step_retried_after_its_worker_died_reuses_its_placeholder(isolated_registry):
     # W2, W5: the earlier attempt's claim went stale with its placeholder live
     calls = _counting(isolated_registry)
@@ -407,6 +434,7 @@ def test_a_step_retried_after_its_worker_died_reuses_its_placeholder(isolated_re
 
 
 @world
+@both_forms
 def test_a_step_not_saved_is_refused_clearly(isolated_registry):  # W5, S: a wrong id
     _counting(isolated_registry)
     with pytest.raises(EventRunStep.DoesNotExist):
