@@ -435,7 +435,7 @@ def test_a_step_retried_after_its_worker_died_reuses_its_placeholder(isolated_re
 
 @world
 @both_forms
-def test_a_step_not_saved_is_refused_clearly(isolated_registry):  # W5, S: a wrong id
+def test_a_step_not_saved_is_refused_clearly(isolated_registry):  # W5: bad input, a clear answer
     _counting(isolated_registry)
     with pytest.raises(EventRunStep.DoesNotExist):
         execute_step(EventRunStep(run=new_run(), action_id="t.trip"))
