@@ -9,6 +9,7 @@ says); the step tests run on every database, and on MySQL/MariaDB they go throug
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -18,7 +19,7 @@ from django.db import OperationalError, connection, connections
 from django.utils.timezone import now
 
 from events_ledger import Action
-from events_ledger.db import in_trips, sends_together, statements_retried
+from events_ledger.db import in_trips, sends_together, sent_text, statements_retried
 from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from tests.helpers import ledger_action, new_run, new_step
@@ -132,10 +133,16 @@ def test_a_refused_commit_runs_the_whole_transaction_again_never_the_commit_alon
     assert _seen_elsewhere("trip-c")
 
 
-mariadb_only = pytest.mark.skipif(
-    "connection.vendor != 'mysql' or not connection.mysql_is_mariadb",
-    reason="a compound statement outside a stored program: MariaDB only",
-)
+@pytest.fixture
+def _mariadb(transactional_db):
+    # Asked of the server (``mysql_is_mariadb`` reads its version), so once the test
+    # may reach it: a skipif condition would be evaluated before, and fail when no
+    # test before it had connected.
+    if connection.vendor != "mysql" or not connection.mysql_is_mariadb:
+        pytest.skip("a compound statement outside a stored program: MariaDB only")
+
+
+mariadb_only = pytest.mark.usefixtures("_mariadb")
 
 
 @world
@@ -177,7 +184,9 @@ def test_a_compound_statement_the_server_refused_is_run_again_whole():  # W5
     refused: list[str] = []
     runs: list[int] = []
 
-    refuse_first_block = _refusing_the_first(lambda query: "BEGIN NOT ATOMIC" in query, refused)
+    refuse_first_block = _refusing_the_first(
+        lambda query: "BEGIN NOT ATOMIC" in sent_text(query), refused
+    )
 
     def fn(trips):
         runs.append(1)
@@ -544,3 +553,173 @@ def test_a_forked_child_makes_calls_though_the_parent_held_the_pool():  # W5, de
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child's call never came back")
+
+
+# ── MariaDB: a step's compound statements prepared once per connection ──
+
+
+def _making(n: int):
+    def perform(*, run_id, params, idempotency_key):
+        count = int(params.get("n", n))
+        return {
+            "ok": True,
+            "resources": [{"kind": "thing", "ref": f"{idempotency_key}-{i}"} for i in range(count)],
+        }
+
+    return perform
+
+
+def _sent_while(fn: Callable[[], object]) -> tuple[list[str], object]:
+    """The queries the connection sent while ``fn`` ran (as the driver was asked), and
+    what ``fn`` answered."""
+    sent: list[str] = []
+
+    def wrapper(execute, query, args, many, context):
+        sent.append(query)
+        return execute(query, args, many, context)
+
+    with connection.execute_wrapper(wrapper):
+        out = fn()
+    return sent, out
+
+
+def _prepares(sent: list[str]) -> list[str]:
+    return [query.split()[1] for query in sent if query.startswith("PREPARE ")]
+
+
+def _steps_done(run, n: int, *, first_seq: int = 0, resources: int = 1) -> list[EventRunStep]:
+    steps = [new_step(run, "t.trip", {"n": resources}, seq=first_seq + i) for i in range(n)]
+    for step in steps:
+        result = execute_step(step)
+        assert (result.outcome, result.recorded) == ("done", resources), result
+    return steps
+
+
+def _recorded_whole(run, steps: list[EventRunStep], resources: int = 1) -> None:
+    for step in steps:
+        assert _placeholder(step).status == "reverted"
+        assert Res.filter(step=step, kind="thing", status="confirmed").count() == resources
+
+
+@world
+@mariadb_only
+def test_a_steps_blocks_are_prepared_once_per_connection_and_run_by_name(
+    isolated_registry,
+):  # W5, rule 1, #12
+    """MariaDB compiles a compound statement sent as text every time; prepared, once per
+    server session. Each of a step's two blocks is prepared the first time a session
+    sends it, then only executed by name with new values; a new session prepares again."""
+    _action(isolated_registry, _making(1))
+    run = new_run()
+    connection.close()  # a session of its own: nothing prepared on it yet
+    sent, steps = _sent_while(lambda: _steps_done(run, 3))
+    prepared = _prepares(sent)
+    assert len(prepared) == len(set(prepared)) == 2  # the claim's block, the answer's
+    executed = [query.split()[1] for query in sent if query.startswith("EXECUTE ")]
+    assert sorted(executed) == sorted(prepared * 3)
+    assert not any("BEGIN NOT ATOMIC" in query for query in sent)  # no block sent as text
+    _recorded_whole(run, steps)
+
+    connection.close()
+    sent, more = _sent_while(lambda: _steps_done(run, 1, first_seq=3))
+    assert sorted(_prepares(sent)) == sorted(prepared)  # the same names, on the new session
+    _recorded_whole(run, more)
+
+
+@world
+@mariadb_only
+def test_a_block_the_session_lost_is_prepared_again_and_run_once(isolated_registry):  # W5, #12
+    """A session that no longer has a statement (deallocated behind the app's back, as a
+    reconnect the driver made itself would leave it) answers that it does not know it,
+    having run nothing: the block is prepared again and run once, and the step is whole."""
+    _action(isolated_registry, _making(1))
+    run = new_run()
+    sent, first = _sent_while(lambda: _steps_done(run, 1))
+    with connection.cursor() as cursor:
+        for name in _prepares(sent) or []:
+            cursor.execute(f"DEALLOCATE PREPARE {name}")
+    assert _prepares(sent), "the first step prepared its blocks"
+    sent, second = _sent_while(lambda: _steps_done(run, 1, first_seq=1))
+    assert sorted(_prepares(sent)) == sorted(set(_prepares(sent)))
+    assert len(_prepares(sent)) == 2
+    _recorded_whole(run, first + second)
+    # Each block ran once: one claim counted, one set of rows, one resolve.
+    [step] = second
+    step.refresh_from_db()
+    assert (step.status, step.attempts) == ("done", 1)
+
+
+@world
+@mariadb_only
+def test_at_most_so_many_blocks_stay_prepared_on_a_connection(
+    isolated_registry, monkeypatch
+):  # W5, #12
+    """A step's second block differs with the size of its answer: past the bound, a new
+    shape is sent as text (the bound is the server's memory per session), with the same
+    outcome on the ledger."""
+    monkeypatch.setattr("events_ledger.db.PREPARED_PER_CONNECTION", 2)
+    _action(isolated_registry, _making(1))
+    run = new_run()
+    connection.close()
+    sent, small = _sent_while(lambda: _steps_done(run, 1, resources=1))
+    assert len(_prepares(sent)) == 2
+    sent, larger = _sent_while(lambda: _steps_done(run, 1, first_seq=1, resources=3))
+    assert _prepares(sent) == []
+    assert sum("BEGIN NOT ATOMIC" in query for query in sent) == 1  # the new shape, as text
+    assert sum(query.startswith("EXECUTE ") for query in sent) == 1  # the claim's block
+    _recorded_whole(run, small)
+    _recorded_whole(run, larger, resources=3)
+
+
+@world
+@mariadb_only
+def test_a_block_with_its_own_question_mark_or_percent_sign_means_what_it_says():  # W5, #12
+    """PREPARE takes ``?`` for a value: a block whose text holds one of its own is sent
+    as text; a ``%%`` (a percent sign, in the driver's format) is a ``%`` in either form."""
+    marked = (
+        f"INSERT INTO {_table()} (name, status, cleanup_status, scope, created_at, "
+        "updated_at) VALUES (CONCAT(%s, '?'), 'running', 'not_required', '', "
+        "UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
+        ["trip-q"],
+    )
+    percent = (marked[0].replace("'?'", "'%%'"), ["trip-p"])
+    sent, committed = _sent_while(
+        lambda: [in_trips(lambda t, s=s: t.send_committing_if([s], [1])) for s in (marked, percent)]
+    )
+    assert committed == [True, True]
+    assert sum("BEGIN NOT ATOMIC" in query for query in sent) == 1  # the one with its own ?
+    names = EventRun.objects.filter(name__in=["trip-q?", "trip-p%"]).values_list("name", flat=True)
+    assert sorted(names) == ["trip-p%", "trip-q?"]
+
+
+@world
+@mariadb_only
+@pytest.mark.skipif(
+    "not os.environ.get('RIG_MARIADB_SOCKET')",
+    reason="needs the rig's server, whose root a test may reach through its socket",
+)
+def test_a_server_that_refuses_to_prepare_is_sent_the_blocks_as_text(isolated_registry):  # W5
+    """A server at its ``max_prepared_stmt_count`` refuses PREPARE: that session sends
+    its blocks as text from then on, and every step is recorded whole."""
+    import MySQLdb
+
+    root = MySQLdb.connect(unix_socket=os.environ["RIG_MARIADB_SOCKET"], user="root")
+    try:
+        with root.cursor() as cursor:
+            cursor.execute("SELECT @@GLOBAL.max_prepared_stmt_count")
+            [(before,)] = cursor.fetchall()
+            cursor.execute("SET GLOBAL max_prepared_stmt_count = 0")
+        try:
+            _action(isolated_registry, _making(1))
+            run = new_run()
+            connection.close()
+            sent, steps = _sent_while(lambda: _steps_done(run, 2))
+        finally:
+            with root.cursor() as cursor:
+                cursor.execute(f"SET GLOBAL max_prepared_stmt_count = {int(before)}")
+    finally:
+        root.close()
+    assert len(_prepares(sent)) == 1  # tried once, refused: not again on this session
+    assert not any(query.startswith("EXECUTE ") for query in sent)
+    assert sum("BEGIN NOT ATOMIC" in query for query in sent) == 4
+    _recorded_whole(run, steps)

@@ -13,10 +13,13 @@ from unittest import mock
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
-#: Transaction control the ORM sends as SQL (SQLite's BEGIN, savepoints everywhere) and
-#: session settings (MySQL's isolation level on a new connection): round trips, but
-#: neither a statement of the protocol nor a commit of its own.
-_CONTROL = ("BEGIN", "SAVEPOINT", "RELEASE", "ROLLBACK", "SET ")
+from events_ledger.db import sent_text
+
+#: Transaction control the ORM sends as SQL (SQLite's BEGIN, savepoints everywhere),
+#: session settings (MySQL's isolation level on a new connection) and a compound
+#: statement prepared on MariaDB (once per connection): round trips, but neither a
+#: statement of the protocol nor a commit of its own.
+_CONTROL = ("BEGIN", "SAVEPOINT", "RELEASE", "ROLLBACK", "SET ", "PREPARE")
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Meter:
         self._manual: set[int] = set()
 
     def statement(self, db: Any, sql: str) -> None:
+        sql = sent_text(sql)  # an EXECUTE of a prepared block: the block's statements
         with self._lock:
             self.counts.round_trips += 1
             # A trip of several statements (``db.in_trips`` on MySQL) is read one by one:
