@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import logging
+import os
+import random
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, transaction
 from django.db.models import Exists, OuterRef
 
 from . import signals
 from .conf import ledger_settings
 from .db import (
     bounded,
+    drop_if_dead,
     in_transaction,
-    is_connection_lost,
+    is_deadlock,
     retrying_deadlocks,
     statements_retried,
     storable,
@@ -327,6 +331,7 @@ def cleanup_run(
     if run.status not in EventRun.TERMINAL:
         raise RunNotTerminal(f"run {run.pk} is {run.status}: only a finished run is cleaned up")
     with statements_retried(), log_context(run_id=run.pk):  # #15: log context
+        _finish_earlier_passes()
         reset = None
         if reset_attempts:
             # The human's licence and its record land together: a pass killed after the
@@ -386,25 +391,151 @@ def _work_runs(
         )
         for lane, verdict in zip(called, verdicts, strict=True):
             lane.verdict = verdict
-        # The verdicts commit on their own, before the summaries: under contention for
-        # the runs' rows (sweepers settling the same runs; on Galera a certification
-        # conflict at COMMIT) only the summaries' transaction is run again, and the
-        # module's answers, once written, are never lost to it and called again.
-        worked, entries = _reconnecting(lambda: _write_verdicts(summaries, lanes, token))
-        log.entries += entries
-        settled = _reconnecting(lambda: _settle_and_log(worked, log.entries, human, actor))
-        log.entries = []
     except BaseException:
         if token is not None:
-            # The verdicts were not written (the database went away, the process is
+            # No verdict in hand (the database went away at the claim, the process is
             # being stopped): this process's next pass hands the claim back.
             _unfinished.add(token)
+        try:
+            log.flush()
+        except DatabaseError as exc:
+            drop_if_dead(exc)
         raise
-    finally:
-        log.flush()
+    # From here the module's answers are in hand: written, whatever it takes, never
+    # handed back (a handed-back claim makes the next pass call the module again).
+    hand = _InHand(summaries, lanes, token, human, actor, log.entries)
+    settled = _write_in_hand(hand)
     # ── #15: the signals of what the verdict transaction committed ──
     signals.cleanup_done(runs, settled, lanes)
     return [settled[run.pk] for run in runs]
+
+
+class VerdictsInHand(Exception):
+    """A pass's verdicts could not be written yet (the rows are locked past every retry,
+    the database is away): they stay in this process's hands, their claims kept fresh,
+    and its next pass writes them before anything else."""
+
+
+@dataclass
+class _InHand:
+    """A pass's verdicts on their way to the ledger, with what they settle and log."""
+
+    summaries: dict[int, CleanupSummary]
+    lanes: list[_Lane]
+    token: str | None
+    human: bool
+    actor: str | None
+    log: list[EventRunLog]
+
+
+class _Backlog:
+    """Verdicts this process holds whose write failed: written by its next pass (or by
+    ``write_verdicts_in_hand``), for as long as the process lives. Only a dead
+    process's claims wait for ``REVERT_CLAIM_TTL``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hands: list[_InHand] = []
+
+    def keep(self, hand: _InHand) -> None:
+        with self._lock:
+            self._hands.append(hand)
+
+    def take(self) -> list[_InHand]:
+        with self._lock:
+            hands, self._hands = self._hands, []
+        return hands
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._hands)
+
+    def reset_after_fork(self) -> None:
+        # A forked child holds no module answers of its parent's; the parent writes them.
+        self._lock = threading.Lock()
+        self._hands = []
+
+
+_backlog = _Backlog()
+
+#: How often one pass tries to write its verdicts before keeping them for the next
+#: (each try its own transaction; a conflict or a lock wait waits a little longer).
+VERDICT_WRITE_TRIES = 8
+
+
+def _write_in_hand(hand: _InHand) -> dict[int, CleanupSummary]:
+    """Write a pass's verdicts, then settle its runs' summaries. A write that cannot be
+    made now keeps the verdicts in this process (``_backlog``) with their claims kept
+    fresh, and raises ``VerdictsInHand``."""
+    token = hand.token
+    try:
+        worked, entries = _persistently(lambda: _write_verdicts(hand.summaries, hand.lanes, token))
+    except Exception as exc:
+        logger.warning(
+            "the verdicts of %d group(s) could not be written yet; kept for the next pass",
+            len(hand.lanes),
+            exc_info=True,
+        )
+        _backlog.keep(hand)
+        _keep_fresh(token)
+        raise VerdictsInHand(f"{type(exc).__name__}: {exc}") from exc
+    log = [*hand.log, *entries]
+    try:
+        return _reconnecting(lambda: _settle_and_log(worked, log, hand.human, hand.actor))
+    except BaseException:
+        # The verdicts are written; the summaries are the sweep's repair's to derive.
+        # What the pass did is logged all the same.
+        try:
+            EventRunLog.objects.bulk_create(log)
+        except DatabaseError as exc:
+            drop_if_dead(exc)
+        raise
+
+
+def _keep_fresh(token: str | None) -> None:
+    if token is None:
+        return
+    try:
+        Res.refresh_claim(token)
+    except DatabaseError as exc:
+        drop_if_dead(exc)
+        logger.warning("could not keep the claim of verdicts in hand fresh", exc_info=True)
+
+
+def write_verdicts_in_hand() -> int:
+    """Write what earlier passes of this process could not: answers how many passes'
+    verdicts are still in hand after trying (0: all written)."""
+    for hand in _backlog.take():
+        try:
+            settled = _write_in_hand(hand)
+        except VerdictsInHand:
+            continue  # kept again
+        except Exception:
+            logger.exception("settling the summaries of verdicts written late failed")
+            continue
+        signals.cleanup_done(
+            list(EventRun.objects.filter(pk__in=list(settled))), settled, hand.lanes
+        )
+        logger.info("wrote the verdicts of %d group(s) an earlier pass held", len(hand.lanes))
+    return len(_backlog)
+
+
+def _persistently(fn: Callable[[], T]) -> T:
+    """Run ``fn`` as one transaction until it commits, within ``VERDICT_WRITE_TRIES``: a
+    conflict (a deadlock, a lock wait timeout, Galera's certification) waits with
+    exponential backoff and jitter, so sweepers that collided do not collide again in
+    step; a lost connection is replaced. ``fn`` must be fenced (a verdict is written
+    under its claim's token), so a COMMIT whose answer was lost is safe to run again:
+    the second finds its verdicts written and reads them back (``verdicts_written``)."""
+    for attempt in range(VERDICT_WRITE_TRIES):
+        try:
+            return in_transaction(fn, tries=1)
+        except DatabaseError as exc:
+            last = attempt == VERDICT_WRITE_TRIES - 1
+            if last or not (is_deadlock(exc) or drop_if_dead(exc)):
+                raise
+            time.sleep(min(2.0, 0.01 * 2**attempt) * random.uniform(0.5, 1.5))
+    raise AssertionError("unreachable")
 
 
 def _reconnecting(fn: Callable[[], T]) -> T:
@@ -416,9 +547,9 @@ def _reconnecting(fn: Callable[[], T]) -> T:
     try:
         return in_transaction(fn)
     except DatabaseError as exc:
-        if not _drop_if_dead(exc):
+        if not drop_if_dead(exc):
             raise
-        logger.warning("the connection was lost before the verdicts were written; once more")
+        logger.warning("the connection was lost before the summaries were written; once more")
         return in_transaction(fn)
 
 
@@ -705,8 +836,16 @@ class _UnfinishedClaims:
             self._tokens.difference_update(tokens)
         return handed
 
+    def reset_after_fork(self) -> None:
+        # A lock held by another thread at the fork would never be let go in the child.
+        self._lock = threading.Lock()
+        self._tokens = set()
+
 
 _unfinished = _UnfinishedClaims()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_unfinished.reset_after_fork)
+    os.register_at_fork(after_in_child=_backlog.reset_after_fork)
 
 
 # ── C5 ──
@@ -763,14 +902,14 @@ def _sweep(
     report = SweepReport()
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
-    _hand_back_unfinished()
+    _finish_earlier_passes()
     try:
         report.repaired_runs = candidates.repair_cleanup_summaries(max_attempts, max_claims)
         signals.summaries_repaired(report.repaired_runs)  # #15: after the repair's commit
     except DatabaseError as exc:
         logger.exception("repairing cleanup summaries failed; the pass goes on without it")
         report.repair_error = f"{type(exc).__name__}: {exc}"
-        _drop_if_dead(exc)
+        drop_if_dead(exc)
     batch = limit or ledger_settings.CLEANUP_RUN_BATCH
     runs = retrying_deadlocks(
         lambda: candidates.needing_cleanup(
@@ -782,9 +921,15 @@ def _sweep(
         return report
     try:
         report.runs = _work_runs(runs, should_stop=should_stop)
+    except VerdictsInHand as exc:
+        # The module's answers are in hand, and their claims this process's: the next
+        # pass writes them. Worked one by one now, the runs would find them claimed.
+        for run in runs:
+            report.errors[run.pk] = _error_text(exc)
+        return report
     except Exception as exc:
         logger.exception("the pass over runs %s failed", [run.pk for run in runs])
-        if isinstance(exc, DatabaseError) and _drop_if_dead(exc):
+        if isinstance(exc, DatabaseError) and drop_if_dead(exc):
             # The server went away ("gone away", a lost or killed connection): the
             # next pass gets a new connection. A verdict whose answer was lost is
             # fenced by its claim, so the rows are simply reclaimed.
@@ -809,16 +954,28 @@ def _one_by_one(
         except Exception as exc:
             logger.exception("cleanup of run %s failed", run.pk, extra={"run_id": run.pk})  # #15
             report.errors[run.pk] = _error_text(exc)
-            if isinstance(exc, DatabaseError) and _drop_if_dead(exc):
+            if isinstance(exc, DatabaseError) and drop_if_dead(exc):
                 continue
             try:
                 EventRunLog.objects.write(run, "cleanup.error", {"error": report.errors[run.pk]})
             except DatabaseError as log_exc:
-                _drop_if_dead(log_exc)
+                drop_if_dead(log_exc)
 
 
 def _error_text(exc: BaseException) -> str:
     return storable(f"{type(exc).__name__}: {exc}")
+
+
+def _finish_earlier_passes() -> None:
+    """What earlier passes of this process left: verdicts in hand are written first, then
+    claims that never reached a module are handed back."""
+    try:
+        held = write_verdicts_in_hand()
+        if held:
+            logger.warning("the verdicts of %d earlier pass(es) are still in hand", held)
+    except Exception:
+        logger.exception("writing the verdicts of earlier passes failed")
+    _hand_back_unfinished()
 
 
 def _hand_back_unfinished() -> None:
@@ -828,23 +985,7 @@ def _hand_back_unfinished() -> None:
             logger.warning("handed back %d claim(s) a failed pass had left behind", handed)
     except DatabaseError as exc:
         logger.warning("could not hand back the claims of a failed pass yet", exc_info=True)
-        _drop_if_dead(exc)
-
-
-def _drop_if_dead(exc: BaseException) -> bool:
-    """Close the connection when the error says it is dead, so the next statement
-    reconnects. Answers whether it was."""
-    if is_connection_lost(exc) or not _usable():
-        connection.close()
-        return True
-    return False
-
-
-def _usable() -> bool:
-    try:
-        return connection.connection is not None and connection.is_usable()
-    except Exception:
-        return False
+        drop_if_dead(exc)
 
 
 # ── C6 ──

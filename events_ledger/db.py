@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-import re
+import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -126,9 +124,15 @@ def is_deadlock(exc: BaseException) -> bool:
 
 
 def is_connection_lost(exc: BaseException) -> bool:
+    """The server or the network ended the session: MySQL's "gone away" and "lost
+    connection" (2006, 2013, 2055), PostgreSQL's connection errors (class 08) and a
+    backend terminated (57P01-57P03)."""
     err = _driver_error(exc)
     code = err.args[0] if getattr(err, "args", None) else None
-    return code in (2006, 2013)
+    if code in (2006, 2013, 2055):
+        return True
+    sqlstate = getattr(err, "sqlstate", None) or ""
+    return sqlstate.startswith("08") or sqlstate in ("57P01", "57P02", "57P03")
 
 
 def _deadlock_retried(fn: Callable[[], T], retryable: Callable[[], bool], tries: int = 5) -> T:
@@ -184,7 +188,7 @@ def _retry_statement(
     conn = context["connection"]
     return _deadlock_retried(
         lambda: execute(sql, params, many, context),
-        lambda: not conn.in_atomic_block and not _in_trips(conn),
+        lambda: not conn.in_atomic_block and not _is_unretried(conn),
     )
 
 
@@ -226,341 +230,65 @@ def in_transaction(fn: Callable[[], T], *, using: str = "default", tries: int = 
     return _deadlock_retried(run, lambda: not outer, tries)
 
 
-# ── a transaction in few round trips ──
+# ── a statement's fate ──
 
 #: A statement with its parameters, as ``cursor.execute`` takes them.
 Statement = tuple[str, "tuple[Any, ...] | list[Any]"]
 
-#: Connections (by thread: Django's are per thread) in a transaction ``in_trips`` opened.
-_trips = threading.local()
-
-
-def _in_trips(conn: Any) -> bool:
-    return getattr(_trips, "conn", None) is conn
-
-
-def sends_together(using: str = "default") -> bool:
-    """Whether this connection can take several statements in one round trip.
-
-    MySQL and MariaDB through mysqlclient can: its connections accept statements
-    separated by semicolons (``multi_statements``, on unless a host's ``OPTIONS`` turn
-    it off) and answer each one's result in turn. Not inside a transaction Django opened,
-    whose boundaries are Django's to send. A small step's cost is round trips, not work:
-    a transaction of four statements that takes seven trips through Django's ``atomic``
-    (autocommit off, four statements, commit, autocommit on) takes one this way.
-    """
-    conn = connections[using]
-    options = conn.settings_dict.get("OPTIONS") or {}
-    return (
-        conn.vendor == "mysql"
-        # mysqlclient itself: PyMySQL installed as MySQLdb, or another driver's backend,
-        # would take the trip for one statement with a syntax error.
-        and getattr(getattr(conn, "Database", None), "__name__", "") == "MySQLdb"
-        and bool(options.get("multi_statements", True))
-        and not conn.in_atomic_block
-        # With autocommit off the caller owns a transaction that START TRANSACTION
-        # would commit.
-        and conn.get_autocommit()
-        and not _in_trips(conn)
-    )
-
-
-def runs_compound(conn: Any) -> bool:
-    """Whether the server runs a compound statement outside a stored program
-    (``BEGIN NOT ATOMIC``): MariaDB does, MySQL does not."""
-    return bool(getattr(conn, "mysql_is_mariadb", False))
-
 
 @dataclass(frozen=True)
 class Answer:
-    """One statement's result in a trip: the rows it counts (matched rows for an
-    UPDATE, as ``QuerySet.update()`` answers them) and the rows a SELECT read."""
+    """One result of a statement sent with others: the rows it counts (matched rows for
+    an UPDATE, as ``QuerySet.update()`` answers them) and the rows a SELECT read."""
 
     rowcount: int
     rows: list[tuple[Any, ...]]
-    #: The id the statement's INSERT gave its row, when it inserted one.
-    last_id: int | None = None
 
 
-#: The error a compound statement of ``Trips.send_committing_if`` raises when it rolled
-#: back (a user-defined error number, in the range MariaDB leaves to applications).
-NOT_AS_EXPECTED = 45_901
+def driver_code(exc: BaseException) -> Any:
+    """The driver's error number (MySQL's first argument), or None."""
+    err = _driver_error(exc)
+    args = getattr(err, "args", None)
+    return args[0] if args else None
 
 
-class Trips:
-    """The open transaction of ``in_trips``: ``send`` sends statements, the first
-    trip opening the transaction, ``commit=True`` closing it in the same trip."""
-
-    def __init__(self, conn: Any) -> None:
-        self._conn = conn
-        self.begun = False
-        self.ended = False
-
-    def send(self, statements: list[Statement], *, commit: bool = False) -> list[Answer]:
-        """Send ``statements`` in one round trip; answers each one's result, in order."""
-        assert not self.ended, "the transaction has ended"
-        parts = [sql for sql, _ in statements]
-        params = [p for _, values in statements for p in values]
-        lead = 0 if self.begun else 1
-        if lead:
-            parts.insert(0, "START TRANSACTION")
-        if commit:
-            parts.append("COMMIT")
-        self.begun = True
-        answers: list[Answer] = []
-        conn = self._conn
-        with conn.cursor() as cursor:
-            # Through Django's cursor, so execute wrappers (the tests' counters) see it.
-            cursor.execute(";\n".join(parts), params)
-            raw = cursor.cursor
-            with conn.wrap_database_errors:
-                # A statement that fails ends the trip; its error is raised here (by
-                # ``nextset``), after the results of those that went before it.
-                while True:
-                    rows = list(raw.fetchall()) if raw.description else []
-                    count = max(int(raw.rowcount), 0)
-                    answers.append(Answer(count, rows, raw.lastrowid or None))
-                    if not raw.nextset():
-                        break
-        if commit:
-            self.ended = True
-        return answers[lead : lead + len(statements)]
-
-    @property
-    def commits_if(self) -> bool:
-        """Whether the server runs compound statements (``send_committing_if``,
-        ``send_compound``): MariaDB."""
-        return runs_compound(self._conn)
-
-    def send_compound(self, block: Statement) -> list[Answer]:
-        """Send one compound statement that opens and ends its own transaction; answers
-        the result of each SELECT it ran, in order. Only where ``commits_if`` says so.
-        A statement that fails ends the block with its transaction still open, for
-        ``in_trips`` to roll back."""
-        assert self.commits_if and not self.begun
-        self.begun = True
-        try:
-            return self._send_block(block)
-        finally:
-            self.ended = True
-
-    def _send_block(self, block: Statement) -> list[Answer]:
-        """One compound statement in one round trip, prepared on the server once per
-        connection (``prepared_block``); answers the result of each SELECT it ran."""
-        answers: list[Answer] = []
-        conn = self._conn
-        with conn.cursor() as cursor:
-            _execute_block(conn, cursor, *block)
-            raw = cursor.cursor
-            with conn.wrap_database_errors:
-                while True:
-                    if raw.description:
-                        answers.append(Answer(max(int(raw.rowcount), 0), list(raw.fetchall())))
-                    if not raw.nextset():
-                        break
-        return answers
-
-    def send_committing_if(self, statements: list[Statement], expected: list[int]) -> bool:
-        """Send ``statements`` and, in the same round trip, COMMIT when each counts the
-        rows ``expected`` says, else ROLLBACK; answers whether it committed. Only where
-        ``commits_if`` says so.
-
-        MariaDB runs a compound statement outside a stored program (``BEGIN NOT
-        ATOMIC``), which reads each statement's count (``ROW_COUNT()``, matched rows
-        for an UPDATE, as the connection's CLIENT_FOUND_ROWS has it) and decides
-        there: the commit that would otherwise wait a round trip for the client to
-        read the counts goes with the statements. Rolled back, the block says so by
-        raising its own error (``NOT_AS_EXPECTED``), so that a block that committed
-        answers nothing to read. A statement that fails ends the block before the
-        decision, with the transaction still open, and its error is raised here for
-        ``in_trips`` to roll it back as for any trip."""
-        assert self.commits_if and statements and len(expected) == len(statements)
-        counts = [f"n{i}" for i in range(len(statements))]
-        body = [f"DECLARE {', '.join(counts)} BIGINT DEFAULT -1"]
-        if not self.begun:
-            # Inside the block: one statement less for the trip to answer.
-            body.append("START TRANSACTION")
-            self.begun = True
-        for (sql, _), name in zip(statements, counts, strict=True):
-            body += [sql, f"SET {name} = ROW_COUNT()"]
-        agreed = " AND ".join(f"{n} = {int(e)}" for n, e in zip(counts, expected, strict=True))
-        body.append(
-            f"IF {agreed} THEN COMMIT; ELSE ROLLBACK; "
-            f"SIGNAL SQLSTATE '45000' SET MYSQL_ERRNO = {NOT_AS_EXPECTED}, "
-            "MESSAGE_TEXT = 'events-ledger: rolled back, not as expected'; END IF"
-        )
-        block: Statement = (
-            "BEGIN NOT ATOMIC\n" + ";\n".join(body) + ";\nEND",
-            [p for _, values in statements for p in values],
-        )
-        try:
-            self._send_block(block)
-        except DatabaseError as exc:
-            if _driver_error(exc).args[:1] != (NOT_AS_EXPECTED,):
-                raise
-            self.ended = True
-            return False
-        self.ended = True
-        return True
-
-    def commit(self) -> None:
-        if self.begun and not self.ended:
-            self.send([], commit=True)
-        self.ended = True
-
-    def rollback(self) -> None:
-        if not self.begun or self.ended:
-            return
-        self.ended = True
-        try:
-            with self._conn.cursor() as cursor:
-                cursor.execute("ROLLBACK")
-        except BaseException:
-            # The transaction may still be open on the server, where Django would take
-            # it for autocommit: the connection goes, and the server rolls back when it
-            # closes (a kept connection would carry the transaction on).
-            self._conn.close()
-            raise
-
-
-# ── compound statements prepared on the server ──
-
-#: At most this many compound statements are kept prepared on one connection, each of
-#: at most ``PREPARED_TEXT_LIMIT`` characters; others are sent as text. A step's two
-#: blocks differ only with the size of its answer, so a few shapes cover small steps,
-#: where compiling the block is a large part of a trip; a large answer's trip is
-#: dominated by its rows, and its text would hold server memory for little gain.
-PREPARED_PER_CONNECTION = 16
-PREPARED_TEXT_LIMIT = 16_384
-#: The server no longer has a statement this process prepared (ER_UNKNOWN_STMT_HANDLER),
-#: or could not prepare it again after its tables changed (ER_NEED_REPREPARE): either way
-#: nothing ran, and preparing it anew is the cure.
-_PREPARE_AGAIN = (1243, 1615)
-
-_prepared_lock = threading.Lock()
-#: Per raw connection (a server session), the names of the blocks prepared on it; None
-#: once the server refused a PREPARE (that session sends text from then on).
-_prepared_on: weakref.WeakKeyDictionary[Any, set[str] | None] = weakref.WeakKeyDictionary()
-#: Every block prepared in this process, by name: its text as the block was built, for
-#: ``sent_text`` (the same text gives the same name on every connection).
-_prepared_texts: dict[str, str] = {}
-_PLACEHOLDER = re.compile(r"%(%|s)")
-
-
-def _server_text(sql: str, count: int) -> str | None:
-    """The block with ``?`` for each ``%s`` (and ``%`` for ``%%``), as PREPARE takes
-    it; None when its placeholders are not exactly its ``count`` parameters (a ``?``
-    of its own would be taken for one)."""
-    if "?" in sql:
-        return None
-    text, found = _PLACEHOLDER.subn(lambda m: "%" if m.group(1) == "%" else "?", sql)
-    return text if text.count("?") == count else None
-
-
-def _execute_block(conn: Any, cursor: Any, sql: str, params: Any) -> None:
-    """Send one compound statement: ``EXECUTE`` of it prepared on this connection's
-    server session, prepared first when this session has not seen it.
-
-    MariaDB compiles a compound statement sent as text anew each time, which is about
-    0.1 ms of a small step's trip of 0.5; prepared, it is compiled once per session
-    and run with new values. What it does is the same statement for statement: the
-    values bound are the literals the text would have carried. A session that lost
-    the statement (a reconnect the client made itself) gets it prepared again; one
-    whose server refuses PREPARE (``max_prepared_stmt_count`` reached) sends text."""
-    params = list(params)
-    name = _prepared_name(conn, cursor, sql, len(params))
-    if name is None:
-        cursor.execute(sql, params)
-        return
-    execute = f"EXECUTE {name}" + (" USING " + ", ".join(["%s"] * len(params)) if params else "")
-    try:
-        cursor.execute(execute, params)
-    except DatabaseError as exc:
-        if _driver_error(exc).args[:1] not in [(code,) for code in _PREPARE_AGAIN]:
-            raise
-        # Nothing ran: the server did not know the name. Prepared again, run once more.
-        with _prepared_lock:
-            _prepared_on.pop(conn.connection, None)
-        if _prepared_name(conn, cursor, sql, len(params)) is None:
-            cursor.execute(sql, params)
-        else:
-            cursor.execute(execute, params)
-
-
-def _prepared_name(conn: Any, cursor: Any, sql: str, count: int) -> str | None:
-    """The name ``sql`` is prepared under on this connection's session, preparing it
-    there first (a round trip of set-up, once per session and block); None when it is
-    to be sent as text."""
-    if len(sql) > PREPARED_TEXT_LIMIT:
-        return None
-    raw = conn.connection
-    name = "events_ledger_" + hashlib.sha1(sql.encode()).hexdigest()[:24]
-    with _prepared_lock:
-        names = _prepared_on.setdefault(raw, set())
-        if names is None or (name not in names and len(names) >= PREPARED_PER_CONNECTION):
-            return None
-        if name in names:
-            return name
-    text = _server_text(sql, count)
-    if text is None:
-        return None
-    try:
-        cursor.execute(f"PREPARE {name} FROM %s", [text])
-    except DatabaseError as exc:
-        if is_connection_lost(exc):
-            raise
-        with _prepared_lock:
-            _prepared_on[raw] = None
-        return None
-    with _prepared_lock:
-        names = _prepared_on.get(raw)
-        if names is not None:
-            names.add(name)
-        if len(_prepared_texts) < 1024:
-            _prepared_texts[name] = sql
-    return name
-
-
-def sent_text(sql: str) -> str:
-    """The statements a trip's SQL carries, for a counter that reads them: an
-    ``EXECUTE`` of a block prepared by this process answers the block's own text."""
-    if sql.startswith("EXECUTE events_ledger_"):
-        name = sql.split(None, 2)[1]
-        return _prepared_texts.get(name, sql)
-    return sql
-
-
-def in_trips(fn: Callable[[Trips], T], *, using: str = "default", tries: int = 5) -> T:
-    """Run ``fn`` as one transaction whose statements it sends a trip at a time
-    (``Trips.send``); committed when ``fn`` returns unless it committed already, rolled
-    back when it raises. Only where ``sends_together()`` says so.
-
-    A deadlock victim (or a write Galera's certification refused at ``COMMIT``) is run
-    again from the start, as ``in_transaction`` does. No statement inside is retried on
-    its own (the execute wrapper of ``statements_retried`` stands aside): after a
-    deadlock the transaction's earlier statements are gone too, and a ``COMMIT`` sent
-    again would commit an empty transaction and answer success.
-
-    Django does not know of this transaction: ``fn`` must send every statement through
-    ``trips`` or plain cursors, never open ``atomic`` or register ``on_commit``.
-    """
+def drop_if_dead(exc: BaseException, using: str = "default") -> bool:
+    """Close the connection when ``exc`` says it is dead (or it no longer answers), so
+    the next statement reconnects instead of failing on it for ever ("gone away" on
+    every later call of the thread). Answers whether it was closed."""
     conn = connections[using]
-    assert sends_together(using), "in_trips needs a MySQL connection outside a transaction"
-
-    def attempt() -> T:
-        trips = Trips(conn)
-        _trips.conn = conn
+    try:
+        usable = conn.connection is not None and conn.is_usable()
+    except Exception:
+        usable = False
+    if is_connection_lost(exc) or not usable:
         try:
-            out = fn(trips)
-            trips.commit()
-            return out
-        except BaseException:
-            trips.rollback()
-            raise
-        finally:
-            _trips.conn = None
+            conn.close()
+        except Exception:  # closing a dead connection may raise; it is closed all the same
+            conn.connection = None
+        return True
+    return False
 
-    return _deadlock_retried(attempt, lambda: True, tries)
+
+#: Connections (by thread: Django's are per thread) sending something that must never
+#: be retried statement by statement (``unretried``).
+_unretried = threading.local()
+
+
+def _is_unretried(conn: Any) -> bool:
+    return getattr(_unretried, "conn", None) is conn
+
+
+@contextmanager
+def unretried(conn: Any) -> Iterator[None]:
+    """What is sent on ``conn`` inside is not retried by ``statements_retried``: a
+    compound statement that opens its own transaction and failed half-way is the
+    sender's to roll back (a retried one would first commit the half that ran)."""
+    _unretried.conn = conn
+    try:
+        yield
+    finally:
+        _unretried.conn = None
 
 
 # ── statements compiled once ──
@@ -590,6 +318,22 @@ def _slot_of(names: dict[tuple[type, Any], tuple[str, int]], param: Any) -> tupl
         if isinstance(param, kind) and not isinstance(param, bool):
             return names.get((kind, kind(param)))
     return None
+
+
+class _CompileLock:
+    """The one lock around compiling a ``Prepared`` statement, made anew in a forked
+    child (a lock another thread held at the fork would stay held there for ever)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def reset_after_fork(self) -> None:
+        self.lock = threading.Lock()
+
+
+_compiling = _CompileLock()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_compiling.reset_after_fork)
 
 
 class Prepared:
@@ -622,7 +366,6 @@ class Prepared:
         self._build = build
         self._slots = slots
         self._cache: dict[tuple[Any, ...], _Compiled] = {}
-        self._lock = threading.Lock()
 
     def rows(
         self, queryset: models.QuerySet[Any], *fixed: Any, **values: Any
@@ -695,7 +438,7 @@ class Prepared:
         key = (conn.alias, conn.vendor, fixed)
         found = self._cache.get(key)
         if found is None:
-            with self._lock:
+            with _compiling.lock:
                 found = self._cache.get(key)
                 if found is None:
                     found = self._cache[key] = self._compile(

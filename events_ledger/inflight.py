@@ -34,6 +34,11 @@ class ClaimKeeper:
     """Keeps the claims of this process's running step calls fresh, in one daemon thread."""
 
     def __init__(self) -> None:
+        self.reset_after_fork()
+
+    def reset_after_fork(self) -> None:
+        # A forked child inherits no running calls and no threads; a lock another
+        # thread held at the fork would stay held for ever (``hold`` would hang).
         self._lock = threading.Lock()
         self._tokens: dict[str, int] = {}
         self._wake = threading.Event()
@@ -92,3 +97,5 @@ class ClaimKeeper:
 
 
 keeper = ClaimKeeper()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=keeper.reset_after_fork)

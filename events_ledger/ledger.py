@@ -7,17 +7,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connection, router
+from django.db import connection
 
-from . import signals
+from . import fastpath, signals
 from .conf import ledger_settings
 from .db import (
-    Answer,
-    Trips,
     bounded,
+    drop_if_dead,
     in_transaction,
-    in_trips,
-    sends_together,
     statements_retried,
     storable,
     storable_json,
@@ -313,9 +310,9 @@ class _Begun:
 def _claim_and_execute(step_id: int, known: EventRunStep | None) -> StepResult:
     # Durable moment 1 (rule 1): the claim and the placeholder with its dirty mark (or
     # the verdict of a step that may not run) commit together, before any module call.
-    begun = _begin_in_one_trip(step_id, known) if _in_trips() else None
+    begun = _begin_fast(step_id, known) if fastpath.enabled() else None
     if begun is None:
-        begun = in_transaction(lambda: _begin(step_id))
+        begun = _begin_read_back(step_id)
     if isinstance(begun, StepResult):
         return begun
     keeper.hold(begun.token, step_id)
@@ -328,7 +325,26 @@ def _claim_and_execute(step_id: int, known: EventRunStep | None) -> StepResult:
             keeper.release(begun.token)
 
 
-def _begin(step_id: int) -> _Begun | StepResult:
+def _begin_read_back(step_id: int) -> _Begun | StepResult:
+    """``_begin`` in its transaction. Its COMMIT's answer may be lost after the server
+    committed: the claim is then read back by its token, and a claim that stands is
+    handed back at once (no call was made under it; the next try reuses its
+    placeholder) instead of holding the step until ``STEP_CLAIM_TTL``."""
+    tokens: list[str] = []
+    try:
+        return in_transaction(lambda: _begin(step_id, tokens))
+    except Exception as exc:
+        if not tokens or not drop_if_dead(exc):
+            raise
+        token = tokens[-1]
+        if EventRunStep.objects.under_claim(step_id, token) is None:
+            raise  # nothing of it committed: the caller's error to handle
+        step = EventRunStep.objects.get(pk=step_id)
+        error = "the answer to its claim was lost; the claim was handed back, not performed"
+        return _settle(step, token, StepResult("retry", error=error))
+
+
+def _begin(step_id: int, tokens: list[str]) -> _Begun | StepResult:
     step = EventRunStep.objects.with_run(step_id)
     if step is None:
         raise EventRunStep.DoesNotExist(f"there is no step {step_id}")
@@ -346,8 +362,9 @@ def _begin(step_id: int) -> _Begun | StepResult:
         # status), and a write to the run after that deadlocks with a host's own UPDATE
         # of the run, such as cancelling it, which would be the one to fail.
         mark_run_dirty(run.pk)
-    token = _claim(step)
-    if token is None:
+    token = EventRunStep.objects.new_claim_token()
+    tokens.append(token)  # for ``_begin_read_back``: the claim may commit unanswered
+    if not _claim(step, token):
         return StepResult("busy", error="another call of this step holds its claim")
     step.status, step.claim_token = StepStatus.RUNNING, token  # as the claim just wrote them
     max_attempts = ledger_settings.MAX_STEP_ATTEMPTS
@@ -376,31 +393,18 @@ def _begin(step_id: int) -> _Begun | StepResult:
     return _Begun(token, step, run, action, placeholder_id)
 
 
-def _in_trips() -> bool:
-    """Whether a step's transactions go in trips: the ledger's tables are written through
-    the connection that sends them (``in_transaction``'s, the default one)."""
-    return sends_together() and all(
-        router.db_for_write(model) == DEFAULT_DB_ALIAS
-        for model in (EventRun, EventRunStep, EventRunResource)
-    )
+def _begin_fast(step_id: int, known: EventRunStep | None) -> _Begun | StepResult | None:
+    """``_begin`` for the common case, on the fast path: a ``ledger`` action that may
+    run, on a run that has not ended, claimed in one round trip (``fastpath.claim``).
+    With the step ``known`` (the caller passed it) that is the step's only trip before
+    its call.
 
-
-def _begin_in_one_trip(step_id: int, known: EventRunStep | None) -> _Begun | StepResult | None:
-    """``_begin`` for the common case, where the connection sends several statements in
-    one round trip (``db.sends_together``): a ``ledger`` action that may run, on a run
-    that has not ended. Its transaction (the dirty mark, the claim, the placeholder
-    inserted only under that claim, the step's attempts and parameters read back,
-    COMMIT) is one trip, against seven through ``atomic``: on MariaDB one compound
-    statement, elsewhere the statements one after the other
-    (``EventRunStep.objects.claim_unread``). With the step ``known`` (the caller passed it), the
-    trip is the step's only one before its call.
-
-    Nothing the caller's instance says is trusted but what never changes (the run,
-    the action, the key, phase and seq): whether the step may be claimed, its attempt
-    bound and whether its run has ended are decided on the server, and what the call
-    needs is read back under the claim. Answers None for ``_begin`` to decide
-    whatever else: another case, or a claim this one lost (nothing of it is written
-    but the dirty mark, which ``_begin`` would write the same)."""
+    Nothing the caller's instance says is trusted but what never changes (the run, the
+    action, the key, phase and seq): whether the step may be claimed, its attempt bound
+    and whether its run has ended are decided on the server, and what the call needs is
+    read back under the claim. Answers None for ``_begin`` to decide whatever else:
+    another case, or a claim this one did not win (nothing of it is written but the
+    dirty mark, which ``_begin`` would write the same)."""
     step = known if known is not None else EventRunStep.objects.with_run(step_id)
     if step is None:
         return None  # ``_begin`` says so
@@ -416,27 +420,17 @@ def _begin_in_one_trip(step_id: int, known: EventRunStep | None) -> _Begun | Ste
     if known is None and (step.run.status in EventRun.TERMINAL or step.attempts >= max_attempts):
         return None  # read just now: no claim to try
     bind(run_id=step.run_id, action=step.action_id, owner=action.owner)  # #15
-    claim = EventRunStep.objects.claim_unread(
+    won = fastpath.claim(
         step,
-        ledger_settings.STEP_CLAIM_TTL,
-        process_name(),
-        max_attempts,
-        action.owner,
-        {"action": action.id, "phase": step.phase, "seq": step.seq},
-        # A step read first leaves the run's mark out when the read shows it pending.
-        mark_run=known is not None
-        or step.run.cleanup_status in (CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE),
+        ttl=ledger_settings.STEP_CLAIM_TTL,
+        by=process_name(),
+        max_attempts=max_attempts,
+        owner=action.owner,
+        payload={"action": action.id, "phase": step.phase, "seq": step.seq},
     )
-
-    def send(trips: Trips) -> list[Answer]:
-        if claim.compound:
-            return trips.send_compound(claim.statements[0])
-        return trips.send(claim.statements, commit=True)
-
-    won = EventRunStep.objects.claim_won(claim, step, in_trips(send))
     if won is None:
         return None
-    step, placeholder_id = won
+    step, placeholder_id = won.step, won.placeholder_id
     if placeholder_id is None:
         # Not inserted under the claim: this step's earlier attempt wrote it. The
         # claim is this call's now (committed), so it is read once, as ``_begin`` does.
@@ -445,37 +439,37 @@ def _begin_in_one_trip(step_id: int, known: EventRunStep | None) -> _Begun | Ste
         )
     if placeholder_id is None:
         error = "its placeholder is being given back by a cleanup; not performed"
-        return _settle(step, claim.token, StepResult("retry", error=error))
-    return _Begun(claim.token, step, step.run, action, placeholder_id)
+        return _settle(step, won.token, StepResult("retry", error=error))
+    return _Begun(won.token, step, step.run, action, placeholder_id)
 
 
-def _claim(step: EventRunStep) -> str | None:
-    """Claim the step, knowing the attempt count the claim wrote without reading it back:
-    the claim is a compare-and-set on the count read with the step. Another worker may
-    have claimed (and settled) the step between that read and this claim; its claim
-    moved the count, so this one loses, reads the count again and tries once more.
+def _claim(step: EventRunStep, token: str) -> bool:
+    """Claim the step under ``token``, knowing the attempt count the claim wrote without
+    reading it back: the claim is a compare-and-set on the count read with the step.
+    Another worker may have claimed (and settled) the step between that read and this
+    claim; its claim moved the count, so this one loses, reads the count again and
+    tries once more.
 
     A lost claim whose count did not move is a step another call holds: the count only
     grows (every claim adds one, nothing else writes it), so the same count read after
     the claim means no claim came between the first read and the claim, which lost on
-    the step's status alone, as the plain claim would have. Answers the token, or None.
+    the step's status alone, as the plain claim would have. Answers whether it won.
     """
     seen = step.attempts
     for _ in range(3):
-        token = EventRunStep.objects.claim(
-            step.pk, ledger_settings.STEP_CLAIM_TTL, by=process_name(), attempts=seen
-        )
-        if token is not None:
+        if EventRunStep.objects.claim(
+            step.pk, ledger_settings.STEP_CLAIM_TTL, by=process_name(), attempts=seen, token=token
+        ):
             step.attempts = seen + 1
-            return token
+            return True
         try:
             now = EventRunStep.objects.attempts_of(step.pk)
         except EventRunStep.DoesNotExist:
-            return None
+            return False
         if now == seen:
-            return None
+            return False
         seen = now
-    return None  # claimed by others three times over meanwhile: busy all the same
+    return False  # claimed by others three times over meanwhile: busy all the same
 
 
 def _call(b: _Begun) -> tuple[StepResult, bool]:
@@ -519,77 +513,68 @@ def _call(b: _Begun) -> tuple[StepResult, bool]:
 def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
     """Durable moment 2: the answer's rows, the placeholder's resolution, the step's
     outcome and its log line commit together. When that transaction fails, nothing of
-    the answer is on the ledger, the placeholder stays, and the outcome is written alone."""
-    if not late and _in_trips():
-        try:
-            done = _finish_in_trips(b, call)
-        except Exception:
-            # Rolled back (or its COMMIT's answer lost), or an answer the trips cannot
-            # read: the general path writes it all again, or, failing too, the outcome
-            # alone, as it does for its own failures.
-            logger.warning("step %s: recording in trips failed", b.step.pk, exc_info=True)
-            done = None
+    the answer is on the ledger, the placeholder stays, and the outcome is written alone.
+
+    A transaction whose COMMIT's answer was lost may have committed: the step says
+    (its outcome is written under this claim in the same transaction), and a committed
+    answer is never written again: its rows may have been given back since, and
+    written twice they would be given back twice."""
+    if not late and fastpath.enabled():
+        done = _finish_fast(b, call)
         if done is not None:
             return done
     recorded: list[RecordResult] = []
+    results: list[StepResult] = []
+
+    def settle() -> StepResult:
+        result = _settle_answer(b, call, recorded, late=late)
+        results.append(result)
+        return result
+
     try:
-        result = in_transaction(lambda: _settle_answer(b, call, recorded, late=late))
+        result = in_transaction(settle)
     except Exception as exc:
-        failure = _recording_failed(b.run, b.step, exc)
+        if results and drop_if_dead(exc) and _settled_under(b):
+            logger.warning("step %s: its outcome had committed, its answer was lost", b.step.pk)
+            result = results[-1]
+        else:
+            failure = _recording_failed(b.run, b.step, exc)
 
-        def unrecorded(*args: Any) -> RecordResult:
-            return failure
+            def unrecorded(*args: Any) -> RecordResult:
+                return failure
 
-        return _settle(b.step, b.token, _outcome(b, call, unrecorded), late=late)
+            return _settle(b.step, b.token, _outcome(b, call, unrecorded), late=late)
     if recorded:
         _dirty_after(b.run, recorded[-1])
     return result
 
 
-class _NotAsExpected(Exception):
-    """A trip's rows counts were not those of the common case: rolled back."""
+def _settled_under(b: _Begun) -> bool:
+    """Whether the step's outcome is written under this call's claim."""
+    status = EventRunStep.objects.status_under(b.step, b.token)
+    return status is not None and status != StepStatus.RUNNING
 
 
-def _finish_in_trips(b: _Begun, call: CallResult) -> StepResult | None:
-    """``_finish`` for the common case, where the connection sends several statements in
-    one round trip (``db.sends_together``): a ``ledger`` action answered ``ok`` with
-    every entry readable, in one INSERT. The outcome (fenced by the claim), the rows and
-    the placeholder's resolution go in one trip, committed only when all three did what
-    they do when every row goes in: on MariaDB the server decides that in the same trip
-    (``Trips.send_committing_if``), on MySQL the COMMIT follows in a second trip. Anything
-    else (the claim taken over, a target held, an error) is rolled back whole and
-    answered None: ``_settle_answer`` then does it all again and words what happened, as
-    if this had not been tried."""
+def _finish_fast(b: _Begun, call: CallResult) -> StepResult | None:
+    """``_finish`` for the common case, on the fast path: a ``ledger`` action answered
+    ``ok`` with every entry readable, in one INSERT, written in one round trip
+    (``fastpath.finish``). Anything else (the claim taken over, a target held, an
+    error) is rolled back whole and answered None: ``_settle_answer`` then does it all
+    again and words what happened, as if this had not been tried."""
     if call.error is not None or not is_success(call.value) or b.placeholder_id is None:
         return None
-    answer = _parse(b.action, call.value.get("resources"))
-    if not answer.ledgered or answer.rejected:
-        return None
-    rows = list(answer.rows.values())
-    statements = [EventRunStep.objects.settle_statement(b.step, b.token, StepStatus.DONE)]
-    if rows:
-        insert = EventRunResource.objects.record_statement(b.run, b.step, b.action.owner, rows)
-        if insert is None:
-            return None
-        statements.append(insert)
-    statements.append(EventRunResource.objects.resolve_statement(b.placeholder_id))
-
-    # The outcome written under the claim, every row in, the placeholder resolved.
-    expected = [1, len(rows), 1] if rows else [1, 1]
-
-    def send(trips: Trips) -> None:
-        if trips.commits_if:
-            # MariaDB decides the COMMIT itself, in the same trip.
-            if not trips.send_committing_if(statements, expected):
-                raise _NotAsExpected  # rolled back on the server
-        elif [answer.rowcount for answer in trips.send(statements)] != expected:
-            raise _NotAsExpected  # rolled back by ``in_trips``
-
     try:
-        in_trips(send)
-    except _NotAsExpected:
+        answer = _parse(b.action, call.value.get("resources"))
+        if not answer.ledgered or answer.rejected:
+            return None
+        rows = list(answer.rows.values())
+        done = fastpath.finish(b.step, b.token, b.run, b.action.owner, rows, b.placeholder_id)
+    except Exception:
+        # Neither written nor read back (the server is away): the general path tries,
+        # and, failing too, the outcome alone, as it does for its own failures.
+        logger.warning("step %s: recording on the fast path failed", b.step.pk, exc_info=True)
         return None
-    return StepResult("done", recorded=len(rows))
+    return StepResult("done", recorded=len(rows)) if done else None
 
 
 def _settle_answer(
@@ -608,6 +593,12 @@ def _settle_answer(
     # target held by another run): the error text is then corrected under the lock.
     expected = _done(answer.expected())
     written = _write_outcome(b.step, b.token, expected)
+    if not written and _settled_under(b):
+        # This call's outcome is on the step already: an earlier transaction of it
+        # committed and its answer was lost. Its rows are written (and may have been
+        # given back since): writing them again would give them back twice.
+        logger.warning("step %s: its answer was recorded already; not again", b.step.pk)
+        return expected
     out = _write_rows(b.run, b.step, b.action, b.placeholder_id, answer, resolve=written)
     recorded.append(out)
     result = _done(out)

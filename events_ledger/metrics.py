@@ -238,6 +238,15 @@ _counters: _Counters | None = None
 _install_lock = threading.Lock()
 
 
+def _reset_after_fork() -> None:
+    global _install_lock
+    _install_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 def install() -> None:
     """Create the process counters in prometheus_client's default registry and connect
     them to the signals and the module-call hook; once per process."""

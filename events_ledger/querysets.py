@@ -34,14 +34,12 @@ from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from .db import (
-    Answer,
     Prepared,
     Statement,
     UtcNow,
     chunked,
     is_unique_violation,
     retrying_deadlocks,
-    runs_compound,
     storable,
 )
 from .states import (
@@ -175,7 +173,7 @@ class EventRunQuerySet(models.QuerySet):
 
     def mark_dirty_statement(self, run: Any) -> Statement:
         """The run's first ledgered step's mark (``not_required``/``complete`` →
-        ``pending``) as a statement, for ``db.in_trips``: only while the run has not
+        ``pending``) as a statement, for ``fastpath``: only while the run has not
         ended, as ``ledger`` marks it only then."""
         return _MARK_DIRTY_IF_LIVE.statement(self, run=_pk(run))
 
@@ -459,19 +457,13 @@ _CLAIMED = Prepared(
     step=int,
     token=str,
 )
-
-
-@dataclass(frozen=True)
-class LiveClaim:
-    """``claim_unread``'s transaction: the token, and the statements to send in one
-    trip (``Trips.send`` with COMMIT), or the one compound statement
-    (``Trips.send_compound``)."""
-
-    token: str
-    statements: list[Statement]
-    #: Sent as one compound statement (``_claim_block``): its one SELECT answers the
-    #: placeholder's insert too.
-    compound: bool = False
+_STATUS_UNDER = Prepared(
+    lambda base, *, step, token: (
+        base.filter(pk=step, claim_token=token).order_by().values_list("status")
+    ),
+    step=int,
+    token=str,
+)
 
 
 class EventRunStepQuerySet(models.QuerySet):
@@ -491,112 +483,41 @@ class EventRunStepQuerySet(models.QuerySet):
         field.set_cached_value(found, run)
         return found
 
-    def claim_unread(
+    def new_claim_token(self) -> str:
+        """A fresh claim token: made before the claim is sent, so that a claim whose
+        answer was lost can be read back by it (``under_claim``)."""
+        return new_token()
+
+    def claim_unread_statement(
         self,
         step: Any,
         ttl: timedelta,
         by: str | None,
         max_attempts: int,
-        owner: str,
-        payload: Mapping[str, Any],
+        token: str,
         *,
-        mark_run: bool = True,
-    ) -> LiveClaim:
-        """The transaction that claims a step not read first, for ``db.in_trips``: the
-        run's dirty mark (``mark_run``), the claim, won only while the step is
-        claimable, still of its action, under ``max_attempts`` and its run has not
-        ended, each decided on the server; the step's placeholder, inserted only under
-        the claim; the step's attempts and parameters read back under it, then COMMIT.
-        ``claim_won`` reads what it answered. On MariaDB it is one compound statement
-        (``_claim_block``), which carries the run's mark whatever ``mark_run`` says;
-        elsewhere the statements one after the other."""
-        if runs_compound(connections[self.db]):
-            return self._claim_block(step, ttl, by, max_attempts, owner, payload)
-        token = new_token()
-        runs = _manager(self.model, "run").all()
-        claim = _CLAIM_UNREAD.statement(
-            self, ttl, max_attempts, None, step=_pk(step), token=token, by=by, action=step.action_id
+        live: str,
+    ) -> Statement:
+        """The claim of a step not read first, for ``fastpath``'s compound statement:
+        won only while the step is claimable, still of its action, under
+        ``max_attempts``, and the block's variable ``live`` says its run has not ended."""
+        return _CLAIM_UNREAD.statement(
+            self, ttl, max_attempts, live, step=_pk(step), token=token, by=by, action=step.action_id
         )
-        resources = _manager(runs.model, "resources").all()
-        insert = resources.placeholder_insert(step, owner, payload, under_claim=token)
-        read = _CLAIMED.statement(self, step=_pk(step), token=token)
-        # The run's row first, before the claim (see ``ledger._begin``).
-        mark = [runs.mark_dirty_statement(step.run_id)] if mark_run else []
-        return LiveClaim(token, [*mark, claim, insert, read])
 
-    def _claim_block(
-        self,
-        step: Any,
-        ttl: timedelta,
-        by: str | None,
-        max_attempts: int,
-        owner: str,
-        payload: Mapping[str, Any],
-    ) -> LiveClaim:
-        """``claim_unread`` as one compound statement (MariaDB's ``BEGIN NOT ATOMIC``)
-        that commits at its end: the server decides each step on the counts of the one
-        before. The run's mark matching tells the run has not ended (else its status is
-        read); the claim is tried only then; the placeholder goes in (a plain INSERT, no
-        read of the step) only when the claim was won; one SELECT answers the step's
-        attempts and parameters with the INSERT's count and id, only then too."""
-        token = new_token()
-        runs = _manager(self.model, "run").all()
-        live_sql, live_params = runs.live_statement(step.run_id)
-        resources = _manager(runs.model, "resources").all()
-        insert = resources.placeholder_insert(step, owner, payload, only_if="claimed = 1")
-        claim = _CLAIM_UNREAD.statement(
-            self,
-            ttl,
-            max_attempts,
-            "live",
-            step=_pk(step),
-            token=token,
-            by=by,
-            action=step.action_id,
-        )
-        parts: list[Statement] = [
-            (
-                "BEGIN NOT ATOMIC\nDECLARE marked, live, claimed, inserted_rows, inserted_id "
-                "BIGINT DEFAULT 0",
-                [],
-            ),
-            ("START TRANSACTION", []),
-            runs.mark_dirty_statement(step.run_id),
-            ("SET marked = ROW_COUNT()", []),
-            (f"SET live = IF(marked = 1, 1, EXISTS({live_sql}))", list(live_params)),
-            claim,
-            ("SET claimed = ROW_COUNT()", []),
-            insert,
-            ("SET inserted_rows = ROW_COUNT(), inserted_id = LAST_INSERT_ID()", []),
-            _CLAIMED_IN_BLOCK.statement(self, step=_pk(step)),
-            ("COMMIT", []),
-            ("END", []),
-        ]
-        block = (";\n".join(sql for sql, _ in parts), [p for _, ps in parts for p in ps])
-        return LiveClaim(token, [block], compound=True)
+    def claimed_in_block_statement(self, step: Any) -> Statement:
+        """The SELECT that ends ``fastpath``'s claim block: the step's attempts and
+        parameters with the placeholder INSERT's count and id, only when it claimed."""
+        return _CLAIMED_IN_BLOCK.statement(self, step=_pk(step))
 
-    def claim_won(
-        self, claim: LiveClaim, step: Any, answers: Sequence[Answer]
-    ) -> tuple[Any, int | None] | None:
-        """What ``claim_unread``'s transaction answered: None when the claim was lost;
-        else the step as the claim left it (from ``step``'s columns that never change
-        and what was read back; its run cached as its id alone), and the placeholder's
-        id when the INSERT put it in (None: this step's earlier attempt wrote it)."""
-        if claim.compound:
-            [read] = answers
-            if not read.rows:
-                return None
-            [(attempts, params, inserted, new_id)] = _CLAIMED_IN_BLOCK.converted(self, read.rows)
-            placeholder = int(new_id) if inserted == 1 and new_id else None
-        else:
-            *_, claimed, insert, read = answers
-            if claimed.rowcount != 1 or not read.rows:
-                return None
-            [(attempts, params)] = _CLAIMED.converted(self, read.rows)
-            placeholder = insert.last_id if insert.rowcount == 1 else None
-        return self._claimed(step, claim.token, attempts, params), placeholder
+    def claimed_in_block(self, rows: Any) -> tuple[int, Any, int, int | None]:
+        """What ``claimed_in_block_statement`` read, converted as the ORM reads it."""
+        [(attempts, params, inserted, new_id)] = _CLAIMED_IN_BLOCK.converted(self, rows)
+        return int(attempts), params, int(inserted), new_id
 
-    def _claimed(self, step: Any, token: str, attempts: int, params: Any) -> Any:
+    def claimed_step(self, step: Any, token: str, attempts: int, params: Any) -> Any:
+        """The step as a claim under ``token`` left it, from ``step``'s columns that never
+        change and what was read back under the claim; its run cached as its id alone."""
         found = self.model.from_db(
             self.db,
             STEP_COLUMNS,
@@ -617,6 +538,18 @@ class EventRunStepQuerySet(models.QuerySet):
         field.set_cached_value(found, field.related_model.from_db(self.db, ["id"], [step.run_id]))
         return found
 
+    def under_claim(self, step: Any, token: str) -> tuple[int, Any] | None:
+        """The step's attempts and parameters while ``token`` is its claim, else None:
+        how a claim whose answer was lost is read back (it committed, or nothing did)."""
+        rows = _CLAIMED.rows(self, step=_pk(step), token=token)
+        return (int(rows[0][0]), rows[0][1]) if rows else None
+
+    def status_under(self, step: Any, token: str) -> str | None:
+        """The step's status while ``token`` is its claim (a settled outcome keeps the
+        token), else None: how an outcome whose answer was lost is read back."""
+        rows = _STATUS_UNDER.rows(self, step=_pk(step), token=token)
+        return rows[0][0] if rows else None
+
     def claim(
         self,
         step: Any,
@@ -624,6 +557,7 @@ class EventRunStepQuerySet(models.QuerySet):
         by: str | None = None,
         *,
         attempts: int | None = None,
+        token: str | None = None,
     ) -> str | None:
         """Claim a step to execute it: ``pending → running``, or a ``running`` step whose
         claim is older than the TTL (its worker died: a live worker keeps its claim
@@ -638,7 +572,7 @@ class EventRunStepQuerySet(models.QuerySet):
         since the caller read it (another claim came and went), which the caller tells
         apart by reading the count again.
         """
-        token = new_token()
+        token = token or new_token()
         if attempts is None:
             won = _CLAIM.update(self, ttl, step=_pk(step), token=token, by=by)
         else:
@@ -674,7 +608,7 @@ class EventRunStepQuerySet(models.QuerySet):
     def settle_statement(
         self, step: Any, token: str, status: str, error: str | None = None
     ) -> Statement:
-        """``settle`` as a statement, for ``db.in_trips`` (won when it counts one row)."""
+        """``settle`` as a statement, for ``fastpath`` (won when it counts one row)."""
         text = None if error is None else storable(error, 2000)
         return _SETTLE.statement(self, step=_pk(step), token=token, status=status, error=text)
 
@@ -743,7 +677,7 @@ _INSERTED_COLUMNS = (
 )
 
 #: ``EventRunResourceQuerySet._insert_names``, by database alias and vendor.
-_INSERT_NAMES: dict[tuple[str, str], tuple[str, str, str]] = {}
+_INSERT_NAMES: dict[tuple[str, str], tuple[str, str]] = {}
 
 _LIVE_PLACEHOLDER = Prepared(
     lambda base, *, owner, key, run: (
@@ -900,19 +834,17 @@ class EventRunResourceQuerySet(models.QuerySet):
                     last_id = cursor.lastrowid
         return inserted, last_id
 
-    def _insert_names(self, conn: Any) -> tuple[str, str, str]:
-        """The quoted names an INSERT of ``_inserts`` uses on ``conn``: its table, its
-        columns, the steps' table. Quoted once per database: a step sends two INSERTs,
+    def _insert_names(self, conn: Any) -> tuple[str, str]:
+        """The quoted names an INSERT of ``_inserts`` uses on ``conn``: its table and its
+        columns. Quoted once per database: a step sends two INSERTs,
         and quoting fourteen names each time showed in its profile."""
         key = (conn.alias, conn.vendor)
         found = _INSERT_NAMES.get(key)
         if found is None:
             quote = conn.ops.quote_name
-            steps = self.model._meta.get_field("step").related_model._meta.db_table
             found = _INSERT_NAMES[key] = (
                 quote(self.model._meta.db_table),
                 ", ".join(quote(c) for c in _INSERTED_COLUMNS),
-                quote(steps),
             )
         return found
 
@@ -925,23 +857,17 @@ class EventRunResourceQuerySet(models.QuerySet):
         rows: Sequence[Mapping[str, Any]],
         status: str,
         *,
-        under_claim: str | None = None,
         only_if: str | None = None,
     ) -> list[tuple[str, list[Any], bool]]:
         """The INSERT statements of ``_insert_ignoring_held``: (sql, params, whether it
         answers the new id with RETURNING), one per chunk of rows.
 
-        ``under_claim`` (one row, MySQL only): the row goes in only while the step's
-        claim is that token, decided by the statement itself (an ``INSERT … SELECT``
-        from the step), for a transaction sent in one trip, where no answer can be
-        read between the claim and the insert. ``only_if`` (one row, MariaDB only): the
-        row goes in only when that condition on a compound statement's variables holds."""
+        ``only_if`` (one row, MariaDB only, for ``fastpath``): the row goes in only when
+        that condition on a compound statement's variables holds."""
         ops = conn.ops
-        table, names, steps = self._insert_names(conn)
+        table, names = self._insert_names(conn)
         now = ops.adapt_datetimefield_value(timezone.now())
-        # The run and the step are bound like every value, so that a statement's text
-        # is the same for every step of its shape (MariaDB prepares it once, see
-        # ``db._execute_block``); the status is a fixed word of the app's own.
+        # The status is a fixed word of the app's own; everything else is bound.
         run_id, step_id = int(_pk(run)), (None if step is None else int(_pk(step)))
         assert status in (ResourceStatus.PENDING, ResourceStatus.CONFIRMED)
         values = []
@@ -981,16 +907,6 @@ class EventRunResourceQuerySet(models.QuerySet):
                     False,
                 )
             ]
-        if under_claim is not None:
-            assert one and step_id is not None and conn.vendor == "mysql"
-            return [
-                (
-                    f"{head} {table} ({names}) SELECT {row_sql} FROM {steps} "
-                    "WHERE `id` = %s AND `claim_token` = %s",
-                    [*values[0], values[0][-1], step_id, under_claim],
-                    False,
-                )
-            ]
         chunk = max(1, 999 // 10) if conn.vendor == "sqlite" else 1000
         return [
             (
@@ -1003,7 +919,7 @@ class EventRunResourceQuerySet(models.QuerySet):
             for start in range(0, len(values), chunk)
         ]
 
-    # ── statements for a transaction sent in few trips (``db.in_trips``) ──
+    # ── statements for ``fastpath``'s compound statements ──
 
     def placeholder_insert(
         self,
@@ -1011,7 +927,6 @@ class EventRunResourceQuerySet(models.QuerySet):
         owner: str,
         payload: Mapping[str, Any],
         *,
-        under_claim: str | None = None,
         only_if: str | None = None,
     ) -> Statement:
         """The INSERT of a step's ``@step`` row as a statement sent with the step's
@@ -1023,7 +938,6 @@ class EventRunResourceQuerySet(models.QuerySet):
             owner,
             [{"kind": STEP_KIND, "ref": step.idempotency_key, "payload": payload}],
             ResourceStatus.PENDING,
-            under_claim=under_claim,
             only_if=only_if,
         )
         return sql, params
@@ -1237,6 +1151,14 @@ class EventRunResourceQuerySet(models.QuerySet):
         still under those claims move; a claim taken over since is someone else's."""
         return self.filter(claim_token__in=list(tokens), status=ResourceStatus.REVERTING).update(
             updated_at=LONG_AGO
+        )
+
+    def refresh_claim(self, token: str) -> int:
+        """Re-stamp the rows still under the caller's claim, whose verdicts it holds and
+        will write: nobody may take them for a dead process's and call their module
+        again."""
+        return self.filter(claim_token=token, status=ResourceStatus.REVERTING).update(
+            updated_at=UtcNow()
         )
 
     def unclaim(self, pks: Any, token: str) -> int:

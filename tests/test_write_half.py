@@ -12,7 +12,6 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from events_ledger import Action, registry
-from events_ledger.db import sent_text
 from events_ledger.envelopes import normalise
 from events_ledger.ledger import (
     execute_step,
@@ -540,20 +539,17 @@ def _making(isolated_registry, things=None, calls=None) -> Action:
 
 def _statements(step) -> tuple[list[tuple[int, str]], int]:
     """The statements a step runs, each with the transaction it ran in (1, 2, ...; 0 for
-    an autocommitted one), and the round trips they took. A trip of several statements
-    (MySQL's, ``db.in_trips``) is read statement by statement; its ``START TRANSACTION``
-    opens a transaction and its ``COMMIT`` closes it, as ``atomic`` blocks do elsewhere."""
+    an autocommitted one), and the round trips they took. MariaDB's compound statement
+    (``fastpath``) is read statement by statement; its ``START TRANSACTION`` opens a
+    transaction and its ``COMMIT`` closes it, as ``atomic`` blocks do elsewhere."""
     seen: list[tuple[int, str]] = []
     blocks: list[object] = []
     trips = [0]
     manual: list[object | None] = [None]
 
     def wrapper(execute, sql, params, many, context):
-        if sql.startswith("PREPARE "):
-            # MariaDB: a block prepared once per connection (set-up, not the step's own).
-            return execute(sql, params, many, context)
         trips[0] += 1
-        for part in sent_text(sql).split(";\n"):
+        for part in sql.split(";\n"):
             word = part.split()[0].upper()
             if word == "START":
                 manual[0] = object()
@@ -586,16 +582,16 @@ def test_a_step_costs_two_transactions_of_fixed_statements_whatever_its_size(
     run = new_run()
     # Durable moment 2: the outcome (which also checks the claim), the rows, the resolve.
     second = [(2, "UPDATE"), (2, "INSERT"), (2, "UPDATE")]
-    if connection.vendor == "mysql":
-        # The step passed (not its id) is not read first: in one trip, mark the run
-        # dirty (a no-op once it is), claim, insert the placeholder under the claim,
-        # read the step's attempts and parameters back, and commit (on MariaDB one
-        # compound statement, which decides each on the one before). The second
-        # transaction commits in its own trip on MariaDB (the server decides the
-        # COMMIT), in a trip after it on MySQL.
+    fast = connection.vendor == "mysql" and connection.mysql_is_mariadb
+    if fast:
+        # The fast path (MariaDB): the step passed (not its id) is not read first. In
+        # one compound statement, mark the run dirty (a no-op once it is), claim,
+        # insert the placeholder under the claim, read the step's attempts and
+        # parameters back, and commit; the second transaction is one compound
+        # statement too, which commits on the server.
         first = [(1, "UPDATE"), (1, "UPDATE"), (1, "INSERT"), (1, "SELECT")]
         dirty = first
-        trips = 2 if connection.mysql_is_mariadb else 3
+        trips = 2
     else:
         # Durable moment 1: read the step and its run, mark the run dirty, claim,
         # placeholder.
@@ -611,12 +607,10 @@ def test_a_step_costs_two_transactions_of_fixed_statements_whatever_its_size(
     if trips is not None:
         assert sent == sent_50 == trips
     statements, sent = _statements(new_step(run, "t.make", {"n": 1}, seq=2).pk)
-    if connection.vendor == "mysql":
-        # By its id, the step is read first (autocommitted). On MySQL the run's mark is
-        # left out when the read shows it dirty already; MariaDB's compound statement
-        # carries it always (it tells there whether the run has ended).
-        mark = first if connection.mysql_is_mariadb else first[1:]
-        assert statements == [(0, "SELECT"), *mark, *second]
+    if fast:
+        # By its id, the step is read first (autocommitted); the compound statement
+        # carries the run's mark always (it tells there whether the run has ended).
+        assert statements == [(0, "SELECT"), *first, *second]
         assert sent == trips + 1
     else:
         assert statements == dirty + second  # the same, read in the first transaction

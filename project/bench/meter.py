@@ -13,13 +13,10 @@ from unittest import mock
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
-from events_ledger.db import sent_text
-
-#: Transaction control the ORM sends as SQL (SQLite's BEGIN, savepoints everywhere),
-#: session settings (MySQL's isolation level on a new connection) and a compound
-#: statement prepared on MariaDB (once per connection): round trips, but neither a
-#: statement of the protocol nor a commit of its own.
-_CONTROL = ("BEGIN", "SAVEPOINT", "RELEASE", "ROLLBACK", "SET ", "PREPARE")
+#: Transaction control the ORM sends as SQL (SQLite's BEGIN, savepoints everywhere) and
+#: session settings (MySQL's isolation level on a new connection): round trips, but
+#: neither a statement of the protocol nor a commit of its own.
+_CONTROL = ("BEGIN", "SAVEPOINT", "RELEASE", "ROLLBACK", "SET ")
 
 
 @dataclass
@@ -69,15 +66,13 @@ class Meter:
         self._manual: set[int] = set()
 
     def statement(self, db: Any, sql: str) -> None:
-        sql = sent_text(sql)  # an EXECUTE of a prepared block: the block's statements
         with self._lock:
             self.counts.round_trips += 1
-            # A trip of several statements (``db.in_trips`` on MySQL) is read one by one:
-            # its START TRANSACTION opens a transaction Django does not know of, its
-            # COMMIT is that transaction's one commit. In MariaDB's compound statement
-            # (``BEGIN NOT ATOMIC``), the declaration, the counts read and END are its
-            # own bookkeeping, and its IF ... THEN COMMIT the commit (the bench's steps
-            # take the branch that commits).
+            # MariaDB's compound statement (``fastpath``) is read one statement at a
+            # time: its START TRANSACTION opens a transaction Django does not know of,
+            # its COMMIT (or IF ... THEN COMMIT) is that transaction's one commit, and
+            # the declaration, the counts read and END are its own bookkeeping (the
+            # bench's steps take the branch that commits).
             for part in sql.split(";\n") if ";\n" in sql else [sql]:
                 verb = part.lstrip()[:17].upper()
                 if verb.startswith(("DECLARE", "END")):

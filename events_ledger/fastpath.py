@@ -1,0 +1,249 @@
+"""The fast path: on MariaDB, each of a small step's two transactions in one round trip.
+
+An optimisation of ``ledger``'s general path, which stays the truth. A step's first
+transaction (the run's dirty mark, the claim, the placeholder, the step read back) and
+its second (the outcome, the rows, the placeholder resolved) each take seven round trips
+through ``atomic``; sent as one compound statement (``BEGIN NOT ATOMIC … END``) each is
+one. The server decides every branch on the counts of the statement before, and a block
+commits only in the common case: anything else rolls back whole and the general path
+does the work again, from what the database says, as if this had not been tried.
+
+The fence, after the fault review of #24:
+
+- a block that fails half-way is rolled back by the client at once (MariaDB rolls back
+  only the failed statement: the session would stay inside a transaction Django does
+  not know of, and the host's next write on it would be lost), and the connection is
+  closed when even that cannot be sent;
+- a block whose answer was lost may have committed: what it did is read back (the
+  step's claim token and status) and never sent again blindly;
+- a block is never retried statement by statement (``db.unretried``): after a lock
+  wait, a retried block's ``START TRANSACTION`` would commit the half that ran.
+
+Off with ``EVENTS_LEDGER["FAST_PATH"] = False``; elsewhere than on MariaDB through
+mysqlclient (MySQL has no compound statement outside a stored program) every step goes
+the general way. Nothing is prepared on the server: a prepared block is session state,
+which poolers pin and ``CONN_MAX_AGE=0`` prepares again on every connection.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router
+
+from .conf import ledger_settings
+from .db import Answer, Statement, driver_code, drop_if_dead, unretried
+from .models import EventRun, EventRunResource, EventRunStep
+from .states import StepStatus
+
+logger = logging.getLogger("events_ledger")
+
+#: The error a finishing block raises when it rolled itself back (a user-defined error
+#: number, in the range MariaDB leaves to applications).
+NOT_AS_EXPECTED = 45_901
+
+
+class NotAsExpected(Exception):
+    """The block's counts were not those of the common case: it rolled itself back."""
+
+
+def enabled(using: str = DEFAULT_DB_ALIAS) -> bool:
+    """Whether a step's transactions take the fast path on this connection now."""
+    if not ledger_settings.FAST_PATH:
+        return False
+    conn = connections[using]
+    return (
+        conn.vendor == "mysql"
+        # mysqlclient itself (its result sets are read one by one below).
+        and getattr(getattr(conn, "Database", None), "__name__", "") == "MySQLdb"
+        # A transaction Django opened, or a caller's autocommit off: its boundaries are
+        # the caller's, and a block's START TRANSACTION would commit the caller's work.
+        and not conn.in_atomic_block
+        and conn.get_autocommit()
+        and bool(conn.mysql_is_mariadb)
+        # The ledger's three tables written through this one connection.
+        and all(
+            router.db_for_write(model) == using
+            for model in (EventRun, EventRunStep, EventRunResource)
+        )
+    )
+
+
+def _send(block: Statement, using: str = DEFAULT_DB_ALIAS) -> list[Answer]:
+    """Send one compound statement; answers the result of each SELECT it ran.
+
+    A block that raises has ended its transaction before this returns: rolled back by
+    the server (``NotAsExpected``), by a ROLLBACK sent here, or with the connection,
+    closed when the ROLLBACK could not be sent (the server rolls back at the close)."""
+    conn = connections[using]
+    sql, params = block
+    try:
+        with unretried(conn), conn.cursor() as cursor:
+            cursor.execute(sql, list(params))
+            raw = cursor.cursor
+            answers: list[Answer] = []
+            with conn.wrap_database_errors:
+                # A statement that fails ends the block; its error is raised here (by
+                # ``nextset``), after the results of those that went before it.
+                while True:
+                    if raw.description:
+                        answers.append(Answer(max(int(raw.rowcount), 0), list(raw.fetchall())))
+                    if not raw.nextset():
+                        break
+            return answers
+    except DatabaseError as exc:
+        if driver_code(exc) == NOT_AS_EXPECTED:
+            raise NotAsExpected from exc  # the block sent ROLLBACK itself
+        _end_transaction(conn, exc)
+        raise
+    except BaseException as exc:
+        _end_transaction(conn, exc)
+        raise
+
+
+def _end_transaction(conn: Any, exc: BaseException) -> None:
+    if drop_if_dead(exc, conn.alias):
+        return  # closed: the server rolls back what the session had open
+    try:
+        with unretried(conn), conn.cursor() as cursor:
+            cursor.execute("ROLLBACK")
+    except BaseException:
+        logger.warning("a failed block could not be rolled back; closing its connection")
+        conn.close()
+
+
+# ── a step's first transaction ──
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A claim the fast path won: the step as the claim left it, and the placeholder's
+    id (None: not inserted under this claim, so this step's earlier attempt wrote it)."""
+
+    step: Any
+    token: str
+    placeholder_id: int | None
+
+
+def claim(
+    step: Any,
+    *,
+    ttl: timedelta,
+    by: str,
+    max_attempts: int,
+    owner: str,
+    payload: Mapping[str, Any],
+) -> Claimed | None:
+    """The claim of a step not read first, in one compound statement that commits at its
+    end: the run's dirty mark (matching tells the run has not ended; else its status is
+    read), the claim only then (and only while the step is claimable, still of its
+    action, under ``max_attempts``), the placeholder only when the claim was won, and
+    one SELECT of the step's attempts and parameters with the INSERT's count and id.
+
+    Answers None when the claim is not this call's: lost, or not committed, for the
+    general path to decide. A block that failed is read back by its token: only a
+    claim the database holds is answered as won."""
+    steps = EventRunStep.objects
+    token = steps.new_claim_token()
+    runs = EventRun.objects.all()
+    live_sql, live_params = runs.live_statement(step.run_id)
+    parts: list[Statement] = [
+        (
+            "BEGIN NOT ATOMIC\n"
+            "DECLARE marked, live, claimed, inserted_rows, inserted_id BIGINT DEFAULT 0",
+            [],
+        ),
+        ("START TRANSACTION", []),
+        runs.mark_dirty_statement(step.run_id),
+        ("SET marked = ROW_COUNT()", []),
+        (f"SET live = IF(marked = 1, 1, EXISTS({live_sql}))", list(live_params)),
+        steps.claim_unread_statement(step, ttl, by, max_attempts, token, live="live"),
+        ("SET claimed = ROW_COUNT()", []),
+        EventRunResource.objects.placeholder_insert(step, owner, payload, only_if="claimed = 1"),
+        ("SET inserted_rows = ROW_COUNT(), inserted_id = LAST_INSERT_ID()", []),
+        steps.claimed_in_block_statement(step),
+        ("COMMIT", []),
+        ("END", []),
+    ]
+    block = (";\n".join(sql for sql, _ in parts), [p for _, ps in parts for p in ps])
+    try:
+        [read] = _send(block)
+    except Exception:
+        logger.warning("step %s: its claim's block failed; reading back", step.pk, exc_info=True)
+        return _claim_read_back(step, token)
+    if not read.rows:
+        return None
+    attempts, params, inserted, new_id = steps.claimed_in_block(read.rows)
+    placeholder = int(new_id) if inserted == 1 and new_id else None
+    return Claimed(steps.claimed_step(step, token, attempts, params), token, placeholder)
+
+
+def _claim_read_back(step: Any, token: str) -> Claimed | None:
+    """What a claim's block that failed left: its transaction committed (our token is on
+    the step; its placeholder went in with it) or nothing of it did."""
+    found = EventRunStep.objects.under_claim(step, token)
+    if found is None:
+        return None
+    attempts, params = found
+    logger.warning("step %s: its claim's block had committed", step.pk)
+    return Claimed(EventRunStep.objects.claimed_step(step, token, attempts, params), token, None)
+
+
+# ── a step's second transaction ──
+
+
+def finish(
+    step: Any,
+    token: str,
+    run: Any,
+    owner: str,
+    rows: Sequence[Mapping[str, Any]],
+    placeholder_id: int,
+) -> bool:
+    """The outcome of a clean answer (``done``, fenced by the claim), its rows and the
+    placeholder's resolution in one compound statement, committed only when each did
+    what it does when every row goes in; answers whether it committed. False: nothing
+    of it is on the ledger, and the general path writes the answer and words what
+    happened. A block that failed is read back: committed if the step is ``done``
+    under this claim (the outcome, the rows and the placeholder committed together)."""
+    statements = [EventRunStep.objects.settle_statement(step, token, StepStatus.DONE)]
+    if rows:
+        insert = EventRunResource.objects.record_statement(run, step, owner, rows)
+        if insert is None:
+            return False  # more rows than one INSERT takes
+        statements.append(insert)
+    statements.append(EventRunResource.objects.resolve_statement(placeholder_id))
+    expected = [1, len(rows), 1] if rows else [1, 1]
+    try:
+        _send(_committing_if(statements, expected))
+    except NotAsExpected:
+        return False
+    except Exception:
+        logger.warning("step %s: its outcome's block failed; reading back", step.pk, exc_info=True)
+        return EventRunStep.objects.status_under(step, token) == StepStatus.DONE
+    return True
+
+
+def _committing_if(statements: list[Statement], expected: list[int]) -> Statement:
+    """``statements`` as one compound statement that commits when each counts the rows
+    ``expected`` says (``ROW_COUNT()``: matched rows for an UPDATE, as the connection's
+    CLIENT_FOUND_ROWS has it), and otherwise rolls back and raises ``NOT_AS_EXPECTED``,
+    so that a block that committed answers nothing to read."""
+    counts = [f"n{i}" for i in range(len(statements))]
+    body = [f"DECLARE {', '.join(counts)} BIGINT DEFAULT -1", "START TRANSACTION"]
+    for (sql, _), name in zip(statements, counts, strict=True):
+        body += [sql, f"SET {name} = ROW_COUNT()"]
+    agreed = " AND ".join(f"{n} = {int(e)}" for n, e in zip(counts, expected, strict=True))
+    body.append(
+        f"IF {agreed} THEN COMMIT; ELSE ROLLBACK; "
+        f"SIGNAL SQLSTATE '45000' SET MYSQL_ERRNO = {NOT_AS_EXPECTED}, "
+        "MESSAGE_TEXT = 'events-ledger: rolled back, not as expected'; END IF"
+    )
+    return (
+        "BEGIN NOT ATOMIC\n" + ";\n".join(body) + ";\nEND",
+        [p for _, values in statements for p in values],
+    )
