@@ -27,6 +27,7 @@ from .db import (
     storable,
     storable_json,
 )
+from .db import retries as db_retries
 from .deadline import CallResult, call_all, call_with_deadline
 from .envelopes import Verdict, classify_revert, read_reconcile
 from .logcontext import log_context
@@ -53,6 +54,7 @@ __all__ = [
     "reconcile_all",
     "reconcile_module",
     "sweep",
+    "write_verdicts_in_hand",
 ]
 
 
@@ -534,6 +536,7 @@ def _persistently(fn: Callable[[], T]) -> T:
             last = attempt == VERDICT_WRITE_TRIES - 1
             if last or not (is_deadlock(exc) or drop_if_dead(exc)):
                 raise
+            db_retries["verdicts"] += 1
             time.sleep(min(2.0, 0.01 * 2**attempt) * random.uniform(0.5, 1.5))
     raise AssertionError("unreachable")
 
@@ -859,6 +862,9 @@ class SweepReport:
     repaired_runs: list[tuple[int, str]] = field(default_factory=list)
     #: The repair itself failed (logged; the pass went on without it).
     repair_error: str | None = None
+    #: Passes' verdicts this process still holds after this pass (0: all written): a
+    #: sweeper that stops now leaves their claims to the TTL.
+    in_hand: int = 0
 
     @property
     def repaired(self) -> int:
@@ -893,7 +899,9 @@ def sweep(
     """
     runs = EventRun.objects.all().in_scope(scope)
     with statements_retried():
-        return _sweep(runs, limit, should_stop)
+        report = _sweep(runs, limit, should_stop)
+    report.in_hand = len(_backlog)
+    return report
 
 
 def _sweep(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -115,7 +116,9 @@ def is_deadlock(exc: BaseException) -> bool:
     code = err.args[0] if getattr(err, "args", None) else None
     if code in (1213, 1205):  # MySQL deadlock, lock wait timeout
         return True
-    if getattr(err, "sqlstate", None) in ("40P01", "40001"):
+    # PostgreSQL's deadlock, serialization failure and lock_timeout (its lock wait
+    # timeout, rolled back like MySQL's 1205).
+    if getattr(err, "sqlstate", None) in ("40P01", "40001", "55P03"):
         return True
     # SQLite's deferred transaction that read first and then wants to write fails at
     # once with SQLITE_BUSY when another connection writes: a deadlock by another name
@@ -135,7 +138,15 @@ def is_connection_lost(exc: BaseException) -> bool:
     return sqlstate.startswith("08") or sqlstate in ("57P01", "57P02", "57P03")
 
 
-def _deadlock_retried(fn: Callable[[], T], retryable: Callable[[], bool], tries: int = 5) -> T:
+#: Conflicts retried in this process, by what was run again (``statement``,
+#: ``transaction``, ``verdicts``): a figure for the chaos suite and an operator's log,
+#: never a decision.
+retries: Counter[str] = Counter()
+
+
+def _deadlock_retried(
+    fn: Callable[[], T], retryable: Callable[[], bool], tries: int = 5, what: str = "statement"
+) -> T:
     """The one retry loop: ``fn`` again while the database picks it as a deadlock victim
     and ``retryable()`` says the rolled-back work is ``fn``'s own to redo."""
     for attempt in range(tries):
@@ -144,6 +155,7 @@ def _deadlock_retried(fn: Callable[[], T], retryable: Callable[[], bool], tries:
         except (DatabaseError, IntegrityError) as exc:
             if not retryable() or not is_deadlock(exc) or attempt == tries - 1:
                 raise
+            retries[what] += 1
             time.sleep(0.005 * (attempt + 1))
     raise AssertionError("unreachable")
 
@@ -227,7 +239,7 @@ def in_transaction(fn: Callable[[], T], *, using: str = "default", tries: int = 
         with transaction.atomic(using=using):
             return fn()
 
-    return _deadlock_retried(run, lambda: not outer, tries)
+    return _deadlock_retried(run, lambda: not outer, tries, "transaction")
 
 
 # ── a statement's fate ──

@@ -183,14 +183,15 @@ def task_cleanup(run_id: int) -> dict[str, Any]:
 
 def task_sweep_until_done(rounds: int = 200) -> dict[str, Any]:
     from events_ledger.cleanup import sweep
+    from events_ledger.db import retries
 
     worked = 0
     for _ in range(rounds):
         report = sweep()
-        if not report.runs and not report.errors:
+        if not report.runs and not report.errors and not report.in_hand:
             break
         worked += len(report.runs)
-    return {"worked": worked}
+    return {"worked": worked, "retries": dict(retries)}
 
 
 def task_execute(step_id: int) -> dict[str, Any]:

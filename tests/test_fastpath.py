@@ -11,7 +11,9 @@ there is none)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.db import connection, connections
@@ -367,6 +369,57 @@ def test_a_step_not_saved_is_refused_clearly(isolated_registry):  # W5: bad inpu
 
 @world
 @mariadb_only
+def test_a_claim_block_the_server_refuses_leaves_the_step_to_the_general_path(
+    isolated_registry, monkeypatch
+):  # W5, #24: finding 3 (the claim's block had no fallback: execute_step raised)
+    from events_ledger.querysets import EventRunResourceQuerySet
+
+    _action(isolated_registry, lambda **kw: {"ok": True, "resources": [{"kind": "k", "ref": "r"}]})
+    run = new_run()
+    step = new_step(run, "t.trip")
+    real = EventRunResourceQuerySet.placeholder_insert
+
+    def refused(self, *args, **kwargs):
+        sql, params = real(self, *args, **kwargs)
+        return sql.replace("`member_key`", "`member_key_renamed`", 1), params
+
+    monkeypatch.setattr(EventRunResourceQuerySet, "placeholder_insert", refused)
+    result = execute_step(step)
+    assert (result.outcome, result.recorded) == ("done", 1), result
+    step.refresh_from_db()
+    assert (step.status, step.attempts) == ("done", 1)  # one claim, by the general path
+    assert Res.filter(run=run, kind="k", status="confirmed").count() == 1
+    EventRun.objects.create(name="fast-refused-after")
+    assert _seen_elsewhere("fast-refused-after")
+
+
+@world
+@mariadb_only
+def test_a_step_prepares_nothing_on_the_server(isolated_registry):  # W5, #24: finding 5
+    """A prepared statement is session state: drawn from the server-wide
+    ``max_prepared_stmt_count``, pinned by poolers, prepared again on every new
+    connection under ``CONN_MAX_AGE=0``. The fast path sends its blocks as text."""
+    _action(isolated_registry, lambda **kw: {"ok": True, "resources": [{"kind": "k", "ref": "r"}]})
+    sent: list[str] = []
+
+    def wrapper(execute, sql, params, many, context):
+        sent.append(sql)
+        return execute(sql, params, many, context)
+
+    run = new_run()
+    with connection.execute_wrapper(wrapper):
+        for seq in range(3):
+            assert execute_step(new_step(run, "t.trip", seq=seq)).outcome == "done"
+    assert sum("BEGIN NOT ATOMIC" in sql for sql in sent) == 6  # two blocks a step
+    assert not [sql for sql in sent if sql.lstrip().upper().startswith(("PREPARE", "EXECUTE"))]
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW SESSION STATUS LIKE 'Prepared_stmt_count'")
+        rows = cursor.fetchall()
+    assert not rows or int(rows[0][1]) == 0
+
+
+@world
+@mariadb_only
 def test_the_bench_reads_a_block_statement_by_statement():  # bench, #12
     from project.bench.meter import measured
 
@@ -442,6 +495,64 @@ def test_an_answer_that_cannot_be_read_is_settled_not_raised(isolated_registry):
     step.refresh_from_db()
     assert step.status != "running"  # settled, not left for the claim to go stale
     assert _placeholder(step).status == "pending"  # cleanup gives back all the key made
+
+
+def _in_forked_child(held: Any, child: Callable[[], bool]) -> None:
+    """Fork while ``held`` (a lock) is held, as by another thread at the fork, and assert
+    that ``child`` answers True in the child within a generous bound."""
+    import os
+    import time
+
+    with held:
+        pid = os.fork()
+        if pid == 0:  # the child
+            ok = False
+            try:
+                ok = child()
+            finally:
+                os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung on a lock its parent held at the fork")
+
+
+# Python 3.12 warns that forking a process with threads may deadlock the child: that is the
+# case under test.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.parametrize("where", ["keeper", "compiling", "unfinished", "backlog", "metrics"])
+def test_a_forked_child_takes_every_lock_its_parent_held(where):  # W5, #24: finding 4
+    """Celery's prefork forks a process at any moment: every module-level lock of the
+    app is made anew in the child (one held by another thread at the fork would stay
+    held there for ever: ``keeper.hold()`` hung)."""
+    import events_ledger.cleanup as cleanup
+    import events_ledger.db as db
+    import events_ledger.metrics as metrics
+    from events_ledger.inflight import keeper
+
+    locks = {
+        "keeper": (lambda: keeper._lock, lambda: keeper.hold("t", 1) or keeper.release("t")),
+        "compiling": (lambda: db._compiling.lock, lambda: db._compiling.lock.acquire(timeout=5)),
+        "unfinished": (lambda: cleanup._unfinished._lock, lambda: cleanup._unfinished.add("t")),
+        "backlog": (lambda: cleanup._backlog._lock, lambda: len(cleanup._backlog) == 0),
+        "metrics": (
+            lambda: metrics._install_lock,
+            lambda: metrics._install_lock.acquire(timeout=5),
+        ),
+    }
+    lock, child = locks[where]
+
+    def answers() -> bool:
+        out = child()
+        return out is None or bool(out)
+
+    _in_forked_child(lock(), answers)
 
 
 # Python 3.12 warns that forking a process with threads may deadlock the child: that is the

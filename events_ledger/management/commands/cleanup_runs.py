@@ -7,13 +7,21 @@ import logging
 import math
 import signal
 import threading
+import time
 from typing import Any
 
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
-from events_ledger.cleanup import CleanupSummary, RunNotTerminal, cleanup_run, plan_run, sweep
+from events_ledger.cleanup import (
+    CleanupSummary,
+    RunNotTerminal,
+    cleanup_run,
+    plan_run,
+    sweep,
+    write_verdicts_in_hand,
+)
 from events_ledger.conf import ledger_settings
 from events_ledger.diagnosis import plan_lines
 from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
@@ -26,6 +34,8 @@ logger = logging.getLogger("events_ledger")
 NEEDS_A_HUMAN = gettext_noop("a run is incomplete, or a pass failed: a human must look.")
 #: The shortest --loop interval: a tighter loop only hammers the database.
 MIN_LOOP_S = 0.1
+#: How long a single pass keeps trying to write verdicts it holds before it exits (#24).
+IN_HAND_PAUSES = (0.5, 1.0, 2.0, 4.0, 8.0)
 #: How long a loop waits after a pass failed, at most (doubling from the interval).
 MAX_BACKOFF_S = 300.0
 
@@ -118,7 +128,32 @@ class Command(LedgerCommand):
         except DatabaseError as exc:
             self.stderr.write(self.style.ERROR(_("the pass failed: %(error)s") % {"error": exc}))
             status = NEEDS_HUMAN
+        if not self._wrote_what_is_in_hand():
+            status = NEEDS_HUMAN
         return self.finish(status, _(NEEDS_A_HUMAN))
+
+    def _wrote_what_is_in_hand(self) -> bool:
+        """A single pass that could not write its modules' answers (the rows locked past
+        its retries, the database away) keeps trying a while before the process ends
+        with them: once it is gone, their claims wait out ``REVERT_CLAIM_TTL`` and the
+        modules are asked again."""
+        held = write_verdicts_in_hand()
+        for pause in IN_HAND_PAUSES:
+            if not held:
+                return True
+            time.sleep(pause)
+            held = write_verdicts_in_hand()
+        if held:
+            self.stderr.write(
+                self.style.ERROR(
+                    _(
+                        "%(count)d pass(es)' verdicts could not be written; their rows are "
+                        "given back again after REVERT_CLAIM_TTL"
+                    )
+                    % {"count": held}
+                )
+            )
+        return not held
 
     def _run(self, pk: int) -> EventRun:
         try:
