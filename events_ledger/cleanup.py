@@ -1083,39 +1083,44 @@ def _reconcile(owner: str, force: bool, max_fraction: float | None) -> Reconcile
         )
         return summary
     if missing:
-        summary.orphaned = Res.mark_orphaned(
-            [r.pk for r, _ in missing],
-            "the module reports this is no longer in force",
-            ttl=ledger_settings.REVERT_CLAIM_TTL,
-        )
-        # A row claimed by a sweeper since it was read is left alone (R10): only the
-        # rows the UPDATE moved are logged as orphaned.
-        orphaned = (
-            set(
-                Res.filter(
-                    pk__in=[r.pk for r, _ in missing], status=ResourceStatus.ORPHANED
-                ).values_list("pk", flat=True)
-            )
-            if summary.orphaned < len(missing)
-            else {r.pk for r, _ in missing}
-        )
-        missing = [(r, a) for r, a in missing if r.pk in orphaned]
-        by_run: dict[int, list[str]] = {}
-        for row, _action_id in missing:
-            by_run.setdefault(row.run_id, []).append(f"{row.kind}:{row.ref}")
-        by_run = {run_id: bounded(refs, 200) for run_id, refs in by_run.items()}
-        EventRunLog.objects.bulk_create(
-            [
-                EventRunLog(
-                    run_id=run_id,
-                    kind="resource.orphaned",
-                    detail={"module": owner, "resources": refs},
-                )
-                for run_id, refs in by_run.items()
-            ]
-        )
-        signals.orphaned(owner, [row for row, _ in missing])  # #15: after the commit
+        orphaned = _persistently(partial(_orphan, owner, missing))
+        summary.orphaned = len(orphaned)
+        signals.orphaned(owner, [row for row, _ in missing if row.pk in orphaned])  # #15
     return summary
+
+
+def _orphan(owner: str, missing: list[tuple[EventRunResource, str]]) -> set[int]:
+    """C6's one transaction: the rows no longer in force orphaned and each run's log entry
+    saying so, committed together (a state change is never without its entry, C7).
+    Answers the rows it moved. Fenced (only live rows move, R10), so a COMMIT whose
+    answer was lost is run again safely: the second finds them orphaned and reads
+    them back (their log entry may then be written twice)."""
+    pks = [r.pk for r, _ in missing]
+    moved = Res.mark_orphaned(
+        pks, "the module reports this is no longer in force", ttl=ledger_settings.REVERT_CLAIM_TTL
+    )
+    # A row claimed by a sweeper since it was read is left alone (R10): only the rows
+    # in ``orphaned`` now are logged as orphaned.
+    orphaned = (
+        set(Res.filter(pk__in=pks, status=ResourceStatus.ORPHANED).values_list("pk", flat=True))
+        if moved < len(missing)
+        else set(pks)
+    )
+    by_run: dict[int, list[str]] = {}
+    for row, _action_id in missing:
+        if row.pk in orphaned:
+            by_run.setdefault(row.run_id, []).append(f"{row.kind}:{row.ref}")
+    EventRunLog.objects.bulk_create(
+        [
+            EventRunLog(
+                run_id=run_id,
+                kind="resource.orphaned",
+                detail={"module": owner, "resources": bounded(refs, 200)},
+            )
+            for run_id, refs in by_run.items()
+        ]
+    )
+    return orphaned
 
 
 def _ask_reconcile(group: Group, action: Action) -> CallResult:

@@ -663,11 +663,14 @@ def _write_outcome(step: EventRunStep, token: str, result: StepResult) -> bool:
     status, result.outcome, error = _verdict(step, result)
     try:
         written = EventRunStep.objects.settle(step, token, status, error)
-    except Exception:
+    except Exception as exc:
         if connection.in_atomic_block:
             raise  # the transaction's owner writes the outcome alone (see _finish)
         # The outcome must land, or the step stays `running` and the attempt bound is
-        # reached only through stale claims: write it again without the module's text.
+        # reached only through stale claims: write it again without the module's text,
+        # on a new connection if this one died (fenced by the claim: an UPDATE whose
+        # answer was lost after it committed matches nothing the second time).
+        drop_if_dead(exc)
         logger.exception("step %s: writing its outcome failed; writing it plainly", step.pk)
         written = EventRunStep.objects.settle(
             step, token, status, f"{result.outcome} (the error text could not be stored)"
