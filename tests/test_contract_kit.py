@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.test import TransactionTestCase
 
 import events_ledger.testing as kit
 from events_ledger import Action, Lease, NotRegistered
@@ -147,6 +148,27 @@ def test_the_demo_worlds_spawn_keeps_every_promise(world):  # contract kit, W5, 
     assert "exists() finds none" in report.details[REVERT_BY_KEY_GIVES_BACK_PARTLY_RECORDED_ANSWER]
     assert "the same 2 resource(s)" in report.details[PERFORM_IS_IDEMPOTENT_BY_KEY]
     assert Creature.objects.count() == 0  # the kit gave back what it made
+
+
+class KitUnderDjangosRunner(TransactionTestCase):
+    """#25, contract kit: under ``manage.py test`` the kit runs in a TransactionTestCase
+    (docs/actions-and-leases.md), its worker threads seeing the test's committed data."""
+
+    def setUp(self) -> None:
+        from project.world import world as w
+
+        w.switch_off()
+        self.addCleanup(w.switch_off)
+
+    def test_the_kit_checks_an_action_and_a_lease(self) -> None:
+        RegionSetting.objects.create(region="north", spawn_rate=3)
+        exists = lambda r: Creature.objects.filter(serial=r["ref"]).exists()  # noqa: E731
+        check_action(
+            "world.spawn", params={"region": "north", "count": 2}, exists=exists
+        ).assert_kept()
+        check_lease("world.spawn_rate", target="north", value=5, move_to=42).assert_kept()
+        self.assertEqual(Creature.objects.count(), 0)
+        self.assertEqual(RegionSetting.objects.get(region="north").spawn_rate, 3)
 
 
 @world_db

@@ -20,6 +20,9 @@ run. The block's info string says what it is:
     fragment: executed, ``INSTALLED_APPS`` (if set) must list ``events_ledger``, an
     ``EVENTS_LEDGER`` must pass the app's system checks and is applied to the rest of the
     page, and the child processes below execute the fragment as part of their settings.
+    A page's fragments are one settings file, pasted in order: only quickstart.md makes the
+    ``EVENTS_LEDGER`` dict; on every other page it exists already (the reader's) and a
+    fragment may only add keys to it; binding it anew fails (#25).
     Any other path is written under a temporary host directory (packages get an
     ``__init__.py``) and imported; its top-level package becomes an installed app of the
     child processes (so their autodiscovery finds an ``event_actions.py``), and its
@@ -99,7 +102,8 @@ from tests.processes import ROOT, child_env
 DOCS = ROOT / "docs"
 PAGES = sorted(p.name for p in DOCS.glob("*.md"))
 REQUIRED_PAGES = {
-    "operating.md",
+    "monitoring.md",
+    "production.md",
     "quickstart.md",
     "actions-and-leases.md",
     "cron.md",
@@ -113,6 +117,8 @@ KNOWN_LANGUAGES = {"python", "pycon", "console", "shell", "crontab", "ini", "yam
 NEEDS_THE_MACHINE = {"systemctl", "journalctl", "crontab"}
 SHELL_OPERATORS = {"&&", "||", ";", "|", "&"}
 CHILD_SETTINGS = "docs_host_settings"
+#: The page that makes the one ``EVENTS_LEDGER`` dict; the others add keys to it (#25).
+SETTINGS_PAGE = "quickstart.md"
 
 
 class DocError(AssertionError):
@@ -362,11 +368,22 @@ def check_manage(words: list[str], where: str) -> tuple[str, list[str]]:
 PIP_INSTALL = re.compile(r"(?P<name>[A-Za-z0-9_.-]+)(\[(?P<extras>[A-Za-z0-9_,.-]+)\])?")
 
 
+#: pip options whose value is the next word (#25: the wheel found in a directory).
+PIP_VALUE_OPTIONS = {"--find-links", "-f"}
+#: Tools a page may have the reader install beside the package (#25: the wheel's build).
+PIP_TOOLS = {"build"}
+
+
 def check_pip(words: list[str], where: str) -> None:
-    """``pip install NAME[EXTRAS]`` names this package and extras it declares."""
+    """``pip install NAME[EXTRAS]`` names this package and extras it declares (or a
+    tool of ``PIP_TOOLS``)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    for word in words[2:]:
-        if word.startswith("-"):
+    rest = iter(words[2:])
+    for word in rest:
+        if word in PIP_VALUE_OPTIONS:
+            next(rest, None)
+            continue
+        if word.startswith("-") or word in PIP_TOOLS:
             continue
         wanted = PIP_INSTALL.fullmatch(word)
         if wanted is None or re.sub(r"[-_.]+", "-", wanted["name"]).lower() != project["name"]:
@@ -377,6 +394,22 @@ def check_pip(words: list[str], where: str) -> None:
             raise DocError(
                 f"{where}: pip install {word!r}: no extras {sorted(unknown)} in pyproject.toml"
             )
+
+
+def check_build(args: list[str], where: str) -> None:
+    """``python -m build [--wheel] [--sdist] [--outdir DIR] CHECKOUT``, with ``build``'s own
+    options (#25: the package is installed from a checkout)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m build", exit_on_error=False)
+    parser.add_argument("srcdir")
+    parser.add_argument("--wheel", "-w", action="store_true")
+    parser.add_argument("--sdist", "-s", action="store_true")
+    parser.add_argument("--outdir", "-o")
+    try:
+        parser.parse_args(args)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise DocError(f"{where}: python -m build refuses {shlex.join(args)!r}: {exc}") from None
 
 
 CRON_FIELDS = [  # (low, high, names)
@@ -432,6 +465,10 @@ class PageRun:
         settings.MEDIA_ROOT = str(self.media)
         self.ns: dict[str, Any] = {"__name__": f"docs.{Path(page).stem}"}
         self.fragments: list[Block] = []
+        #: The page's settings.py, fragment after fragment (see settings_fragment).
+        self.settings_ns: dict[str, Any] = {"__name__": "settings"}
+        if page != SETTINGS_PAGE:
+            self.settings_ns["EVENTS_LEDGER"] = {}
         self.files: dict[str, str] = {}
         self.apps: list[str] = []
         self.registered: tuple[set[str], set[str]] = (set(), set())
@@ -474,8 +511,21 @@ class PageRun:
     # ── python ──
 
     def settings_fragment(self, block: Block) -> None:
-        ns: dict[str, Any] = {"__name__": "settings"}
+        # #25: a page's fragments are one settings.py, pasted in order. The quick start
+        # makes the one EVENTS_LEDGER dict; every other page finds it made (the reader's
+        # own) and only adds keys to it: a fragment that binds it anew would silently drop
+        # the keys another page or fragment set (a METRICS_TOKEN lost, Prometheus at 401).
+        ns = self.settings_ns
+        before = ns.get("EVENTS_LEDGER")
+        keys_before = dict(before) if before is not None else None
         exec(compile(block.source, block.where, "exec"), ns)
+        if before is not None and ns.get("EVENTS_LEDGER") is not before:
+            ns["EVENTS_LEDGER"] = before
+            raise DocError(
+                f"{block.where}: binds EVENTS_LEDGER anew, dropping the keys set before it "
+                "(pasted in order, settings overwrite each other): add keys instead, "
+                "EVENTS_LEDGER[KEY] = ... or EVENTS_LEDGER.update(...)"
+            )
         apps = ns.get("INSTALLED_APPS")
         if apps is not None and "events_ledger" not in apps:
             raise DocError(f"{block.where}: INSTALLED_APPS does not list events_ledger")
@@ -486,8 +536,8 @@ class PageRun:
                 (self.host / app).mkdir(exist_ok=True)
                 (self.host / app / "__init__.py").touch()
                 self.apps.append(app)
-        if "EVENTS_LEDGER" in ns:
-            self.settings.EVENTS_LEDGER = ns["EVENTS_LEDGER"]
+        if "EVENTS_LEDGER" in ns and ns["EVENTS_LEDGER"] != keys_before:
+            self.settings.EVENTS_LEDGER = dict(ns["EVENTS_LEDGER"])
             problems = check_settings()
             if problems:
                 raise DocError(f"{block.where}: EVENTS_LEDGER fails the checks: {problems}")
@@ -544,6 +594,8 @@ class PageRun:
             "from tests.child_settings import INSTALLED_APPS",
             "_BASE_APPS = list(INSTALLED_APPS)",
         ]
+        if self.page != SETTINGS_PAGE:
+            lines.append("EVENTS_LEDGER = dict(EVENTS_LEDGER)  # the reader's own, made before")
         lines += [f"exec(compile({b.source!r}, {b.where!r}, 'exec'))" for b in self.fragments]
         lines += [
             "INSTALLED_APPS = _BASE_APPS + [a for a in INSTALLED_APPS if isinstance(a, str) and a not in _BASE_APPS]",
@@ -559,6 +611,9 @@ class PageRun:
             len(words) > 3 and is_python(words[0]) and words[1:4] == ["-m", "pip", "install"]
         ):
             check_pip(words if words[0] == "pip" else words[2:], where)
+            return subprocess.CompletedProcess(words, 0, "", "")
+        if len(words) > 2 and is_python(words[0]) and words[1:3] == ["-m", "build"]:
+            check_build(words[3:], where)  # run for real by tests/test_install.py
             return subprocess.CompletedProcess(words, 0, "", "")
         if not words or not is_python(words[0]) or words[1:2] != ["manage.py"]:
             raise DocError(
@@ -1236,5 +1291,92 @@ def test_prometheus_files_are_checked_against_the_app(tmp_path, settings):  # do
         for source, error in bad:
             with pytest.raises(DocError, match=error):
                 run.run(Block("x.md", 1, "yaml", {"file": "bad.yml"}, source))
+    finally:
+        run.close()
+
+
+# ── links (#25: two pages renamed; a link to a page or heading that is gone fails) ──
+
+LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped,
+    spaces to hyphens (fenced code skipped)."""
+    anchors, fenced = set(), False
+    for line in text.splitlines():
+        if line.startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6}\s+(.*)", line)):
+            title = re.sub(r"[^\w\- ]", "", m[1].strip().lower())
+            anchors.add(title.replace(" ", "-"))
+    return anchors
+
+
+def broken_links(page: Path) -> list[str]:
+    broken = []
+    for m in LINK.finditer(page.read_text()):
+        target = m["target"]
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        file, _, anchor = target.partition("#")
+        linked = (page.parent / file).resolve() if file else page
+        if not linked.exists():
+            broken.append(f"{page.name}: {target} (no such file)")
+        elif (
+            anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text())
+        ):
+            broken.append(f"{page.name}: {target} (no such heading)")
+    return broken
+
+
+@pytest.mark.parametrize("page", [*PAGES, "../README.md"])
+def test_every_link_leads_to_a_page_and_heading_that_exist(page):  # docs, #25
+    assert broken_links(DOCS / page) == []
+
+
+def test_a_link_to_a_page_or_heading_that_is_gone_is_caught(tmp_path):  # docs, #25
+    (tmp_path / "a.md").write_text("# A page: `--loop` here\n\ntext\n")
+    page = tmp_path / "b.md"
+    page.write_text("[ok](a.md#a-page---loop-here) [gone](operating.md) [x](a.md#nowhere)\n")
+    assert broken_links(page) == [
+        "b.md: operating.md (no such file)",
+        "b.md: a.md#nowhere (no such heading)",
+    ]
+
+
+def test_two_settings_fragments_of_a_page_do_not_overwrite_each_other(tmp_path, settings):
+    # docs, #25: pasted in order, the second dict would silently drop the first's token.
+    run = PageRun("x.md", tmp_path, settings)
+    try:
+        run.run(
+            Block(
+                "x.md",
+                1,
+                "python",
+                {"file": "settings.py"},
+                'EVENTS_LEDGER["METRICS_TOKEN"] = "t" * 16\n',
+            )
+        )
+        with pytest.raises(DocError, match="binds EVENTS_LEDGER anew"):
+            run.run(
+                Block(
+                    "x.md",
+                    9,
+                    "python",
+                    {"file": "settings.py"},
+                    'EVENTS_LEDGER = {"MAX_REVERT_ATTEMPTS": 4}\n',
+                )
+            )
+        run.run(
+            Block(
+                "x.md",
+                19,
+                "python",
+                {"file": "settings.py"},
+                "EVENTS_LEDGER.update(MAX_REVERT_ATTEMPTS=4)\n",
+            )
+        )
+        assert settings.EVENTS_LEDGER == {"METRICS_TOKEN": "t" * 16, "MAX_REVERT_ATTEMPTS": 4}
     finally:
         run.close()
