@@ -252,7 +252,9 @@ def test_a_run_left_incomplete_by_the_repair_exits_1(world):  # S1, summaries ra
     assert code == 1
     assert f"run {run.pk}: summary re-derived from its rows -> incomplete" in out
     code, out, _ = command("cleanup_runs", "--json")
-    assert code == 0 and json.loads(out)["repaired"] == {}
+    # #25: the next pass repairs nothing, and still exits 1: the run is incomplete.
+    assert code == 1 and json.loads(out)["repaired"] == {}
+    assert json.loads(out)["incomplete"] == [run.pk]
 
 
 def test_reconcile_resources_exits_1_when_a_module_fails(world):  # S2, C6
@@ -330,3 +332,48 @@ def test_cleanup_runs_scope_sweeps_one_scope_only(world):  # S1, C5
     assert Res.filter(run=theirs, status="confirmed").count() == 2
     code, _, err = command("cleanup_runs", "--scope", "team-a", "--run", str(ours.pk))
     assert code == 2 and "--scope" in err
+
+
+def test_cleanup_runs_exits_1_on_every_pass_while_a_run_in_scope_is_incomplete():
+    # S1, #25: a monitor that reads the status stays red until a human's retry.
+    from tests.factories import ResourceFactory, RunFactory
+
+    stuck = RunFactory(status="completed", cleanup_status="incomplete", scope="south")
+    ResourceFactory(run=stuck, revert_attempts=3, last_error="refused")
+    for _ in range(2):  # the pass that made it so is long gone: every pass says it
+        code, out, err = command("cleanup_runs")
+        assert code == 1, out + err
+        assert "nothing to give back" in out
+        assert f"incomplete, waiting for a human's retry: run {stuck.pk}" in out
+    assert command("cleanup_runs", "--scope", "north")[0] == 0  # not in that cron's scope
+    assert command("cleanup_runs", "--scope", "south")[0] == 1
+    code, out, _ = command("cleanup_runs", "--json")
+    assert code == 1 and json.loads(out)["incomplete"] == [stuck.pk]
+    # Once a human has given it back, the next pass is green again.
+    Res.filter(run=stuck).update(status="reverted")
+    EventRun.objects.filter(pk=stuck.pk).update(cleanup_status="complete")
+    assert command("cleanup_runs") == (0, "nothing to give back\n", "")
+
+
+def test_commands_print_database_text_as_text():
+    # #25: an escape sequence in a module's error, a ref or a run's name must not reach
+    # the operator's terminal (here one that would retitle it), in any command's output.
+    from tests.factories import ResourceFactory, RunFactory
+
+    evil = "\x1b]0;pwned\x07\x1b[2J"
+    run = RunFactory(name=f"night{evil}", status="completed", cleanup_status="incomplete")
+    ResourceFactory(run=run, ref=f"r{evil}", revert_attempts=3, last_error=f"refused{evil}")
+    outputs = [
+        command("ledger_status", "--verbosity", "2"),
+        command("cleanup_runs", "--dry-run", "--run", str(run.pk), "--reset-attempts"),
+        command("cleanup_runs"),
+    ]
+    for code, out, err in outputs:
+        assert "\x1b" not in out + err and "\x07" not in out + err
+    assert "refused\\x1b]0;pwned\\x07\\x1b[2J" in outputs[0][1]  # shown, not obeyed
+    assert "night\\x1b]0;pwned" in outputs[1][1]
+    # The commands' own colours still reach a terminal that wants them.
+    out = StringIO()
+    with pytest.raises(CommandError):
+        call_command("ledger_status", stdout=out, force_color=True)
+    assert "\x1b[" in out.getvalue() and "\x1b]" not in out.getvalue()

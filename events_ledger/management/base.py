@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+from collections.abc import Callable
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
@@ -12,9 +14,92 @@ from django.utils.translation import gettext as _
 #: Exit statuses. 0: clean, or retries pending. 1: something needs a human. 2: bad input.
 OK, NEEDS_HUMAN, BAD_INPUT = 0, 1, 2
 
+#: What a terminal would obey in database text: C0 controls but the newline and tab, DEL,
+#: C1 controls (0x9b is a CSI on its own), and the bidirectional overrides that reorder a
+#: line (#25: an ``ESC]0;…`` in a row's last_error retitled the operator's terminal).
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character shown as an escape (``\\x1b``), so
+    database text (a module's error, a ref, a run's name) reaches a terminal as text."""
+    return _CONTROLS.sub(
+        lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text
+    )
+
+
+class _Styled(str):
+    """Text the command styled itself: its escape codes are the command's own."""
+
+
+class _PrintableStyle:
+    """The command's ``style``, each style made printable before it is coloured."""
+
+    def __init__(self, style: Any) -> None:
+        self._style = style
+
+    def __getattr__(self, name: str) -> Any:
+        style = getattr(self._style, name)
+        if not callable(style):
+            return style
+        return lambda text: _Styled(style(printable(str(text))))
+
+
+class _PrintableOutput(OutputWrapper):
+    """stdout/stderr that print database text as text: anything not styled by the
+    command is made printable on its way out (#25)."""
+
+    def write(  # type: ignore[override]  # OutputWrapper's own signature
+        self,
+        msg: str = "",
+        style_func: Callable[[str], str] | None = None,
+        ending: str | None = None,
+    ) -> None:
+        super().write(msg if isinstance(msg, _Styled) else printable(msg), style_func, ending)
+
+
+def _printable_output(out: Any) -> _PrintableOutput:
+    if isinstance(out, _PrintableOutput):
+        return out
+    if isinstance(out, OutputWrapper):
+        wrapped = _PrintableOutput(out._out, ending=out.ending)  # type: ignore[arg-type]
+        wrapped.style_func = out._style_func
+        return wrapped
+    return _PrintableOutput(out)
+
 
 class LedgerCommand(BaseCommand):
+    """The ledger's commands: exit statuses a cron monitor reads, JSON for machines, and
+    every line printable (no database text drives the operator's terminal)."""
+
     verbosity = 1
+
+    # Django assigns these in __init__ and execute(); each is wrapped as it is assigned.
+    @property
+    def stdout(self) -> OutputWrapper:
+        return self._printable_stdout
+
+    @stdout.setter
+    def stdout(self, out: Any) -> None:
+        self._printable_stdout = _printable_output(out)
+
+    @property
+    def stderr(self) -> OutputWrapper:
+        return self._printable_stderr
+
+    @stderr.setter
+    def stderr(self, out: Any) -> None:
+        self._printable_stderr = _printable_output(out)
+
+    @property
+    def style(self) -> Any:
+        return self._printable_style
+
+    @style.setter
+    def style(self, style: Any) -> None:
+        self._printable_style = (
+            style if isinstance(style, _PrintableStyle) else _PrintableStyle(style)
+        )
 
     def execute(self, *args: Any, **options: Any) -> Any:
         self.verbosity = options.get("verbosity", 1)

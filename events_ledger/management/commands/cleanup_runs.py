@@ -38,6 +38,8 @@ MIN_LOOP_S = 0.1
 IN_HAND_PAUSES = (0.5, 1.0, 2.0, 4.0, 8.0)
 #: How long a loop waits after a pass failed, at most (doubling from the interval).
 MAX_BACKOFF_S = 300.0
+#: Incomplete runs a pass names (it exits 1 while any is left).
+STUCK_NAMED = 10
 
 
 class Command(LedgerCommand):
@@ -45,8 +47,8 @@ class Command(LedgerCommand):
 
     help = gettext_noop(
         "Give back what terminal runs still hold: one sweep (or one run with --run). "
-        "Exit status 0: clean or retries pending; 1: a run became incomplete or failed to "
-        "sweep; 2: bad arguments."
+        "Exit status 0: clean or retries pending; 1: a run is incomplete (waiting for a "
+        "human's retry) or failed to sweep; 2: bad arguments."
     )
 
     def add_arguments(self, parser: Any) -> None:
@@ -166,15 +168,25 @@ class Command(LedgerCommand):
     def _sweep_once(self, should_stop: Any = None) -> int:
         report = sweep(should_stop=should_stop, scope=self.scope)
         errors = dict(report.errors)
+        # #25: every pass, not only the one that made it so: a monitor that reads the exit
+        # status stays red while a run in scope is still incomplete (a range of the
+        # runs' cleanup index, however long the history).
+        stuck = list(
+            EventRun.objects.in_scope(self.scope)
+            .filter(cleanup_status=CleanupStatus.INCOMPLETE)
+            .order_by("pk")
+            .values_list("pk", flat=True)[: STUCK_NAMED + 1]
+        )
         self._report(
             report.runs,
             errors,
             repaired=report.repaired_runs,
             repair_error=report.repair_error,
+            stuck=stuck,
         )
-        # Exit 1 when a run is left incomplete by any path (its cleanup or the repair),
-        # or something failed: a human should look.
-        return NEEDS_HUMAN if report.incomplete or errors or report.repair_error else OK
+        # Exit 1 while a run is incomplete (left so by this pass or an earlier one), or
+        # when something failed: a human should look.
+        return NEEDS_HUMAN if stuck or report.incomplete or errors or report.repair_error else OK
 
     def _report(
         self,
@@ -182,8 +194,10 @@ class Command(LedgerCommand):
         errors: dict[int, str],
         repaired: list[tuple[int, str]] | None = None,
         repair_error: str | None = None,
+        stuck: list[int] | None = None,
     ) -> None:
         repaired = repaired or []
+        stuck = stuck or []
         if self.as_json:
             self.emit_json(
                 {
@@ -191,6 +205,7 @@ class Command(LedgerCommand):
                     "errors": errors,
                     "repaired": {str(pk): status for pk, status in repaired},
                     "repair_error": repair_error,
+                    "incomplete": stuck[:STUCK_NAMED],
                 }
             )
             return
@@ -250,6 +265,11 @@ class Command(LedgerCommand):
             self.stdout.write(style(line % {"id": pk, "status": status}))
         if not summaries and not errors:
             self.stdout.write(_("nothing to give back"))
+        if stuck:
+            ids = ", ".join(str(pk) for pk in stuck[:STUCK_NAMED])
+            more = ", …" if len(stuck) > STUCK_NAMED else ""
+            line = _("incomplete, waiting for a human's retry: run %(ids)s")
+            self.stdout.write(self.style.ERROR(line % {"ids": ids + more}))
 
     # ── dry run ──
 

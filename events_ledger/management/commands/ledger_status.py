@@ -65,7 +65,7 @@ class Command(LedgerCommand):
                     f"  #{r.pk} {r.owner_module} {r.kind}:{r.ref} {r.status}, run {r.run_id}, "
                     f"{duration(s.age(r.created_at))} old"
                 )
-                if r.last_error and verbosity > 1:
+                if r.last_error:  # #25: what the alert's text promises
                     line += f": {r.last_error}"
                 out(line)
         if s.running_steps and verbosity > 1:
