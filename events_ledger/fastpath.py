@@ -64,7 +64,7 @@ def enabled(using: str = DEFAULT_DB_ALIAS) -> bool:
         # the caller's, and a block's START TRANSACTION would commit the caller's work.
         and not conn.in_atomic_block
         and conn.get_autocommit()
-        and bool(conn.mysql_is_mariadb)
+        and bool(getattr(conn, "mysql_is_mariadb", False))
         # The ledger's three tables written through this one connection.
         and all(
             router.db_for_write(model) == using
