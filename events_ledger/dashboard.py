@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 
 from django.utils import timezone
 from django.utils.formats import date_format
+from django.utils.translation import gettext as _
 
 from .models import EventRun, EventRunResource, EventRunStep
 from .states import HELD, UNRESOLVED, StepStatus
@@ -96,7 +97,7 @@ class Overview:
     """The app index's dashboard: everything drawn from one snapshot."""
 
     status: LedgerStatus
-    runs: list[tuple[str, str, int]]  # (status, label, runs)
+    runs: list[tuple[str, str, int, str]]  # (key, label, runs, the run list's filter)
     chart: BarChart
     oldest: list[tuple[EventRunResource, str]]  # (row, age)
     running: list[tuple[EventRunStep, str]]  # (step, running for)
@@ -106,9 +107,22 @@ class Overview:
 def overview(status: LedgerStatus) -> Overview:
     return Overview(
         status=status,
+        # #25: the runs that need watching, each a range of the runs' index; finished
+        # runs given back are history, listed (not counted) behind "all runs".
         runs=[
-            (name, label, status.runs_by_cleanup_status.get(name, 0))
-            for name, label in EventRun.CleanupStatus.choices
+            ("in_flight", _("In flight"), status.runs_in_flight, "status__in=pending,running"),
+            (
+                "pending",
+                _("Cleanup pending"),
+                status.cleanup_pending,
+                "cleanup_status__exact=pending",
+            ),
+            (
+                "incomplete",
+                _("Incomplete"),
+                status.incomplete_runs,
+                "cleanup_status__exact=incomplete",
+            ),
         ],
         chart=bar_chart(status.modules),
         oldest=[(r, duration(status.age(r.created_at))) for r in status.oldest_rows],

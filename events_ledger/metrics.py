@@ -18,6 +18,7 @@ extra): this module imports it only when asked for a metric.
 
 from __future__ import annotations
 
+import hmac
 import importlib.util
 import os
 import threading
@@ -48,6 +49,36 @@ def prometheus() -> Any:
     return prometheus_client
 
 
+# ── who may read them (the metrics view, and the health check's details) ──
+
+#: What a session needs to read the metrics: what the dashboard needs (#25).
+VIEW_PERMISSION = "events_ledger.view_eventrun"
+
+
+def _bearer(request: Any) -> str | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def token_matches(request: Any) -> bool | None:
+    """None without a bearer token; else whether it equals ``METRICS_TOKEN`` (compared in
+    constant time; never, when the setting is not set)."""
+    token = _bearer(request)
+    if token is None:
+        return None
+    from .conf import ledger_settings
+
+    expected = ledger_settings.METRICS_TOKEN
+    return expected is not None and hmac.compare_digest(token.encode(), expected.encode())
+
+
+def may_view(user: Any) -> bool:
+    """An active staff user with the permission to view runs (the console's own)."""
+    return bool(
+        user is not None and user.is_active and user.is_staff and user.has_perm(VIEW_PERMISSION)
+    )
+
+
 # ── the database, at scrape time ──
 
 
@@ -75,6 +106,8 @@ class LedgerCollector:
             by_cleanup[key] = by_cleanup.get(key, 0) + n
         for cleanup_status in _cleanup_statuses():
             for finished in ("true", "false"):
+                if finished == "true" and cleanup_status in _HISTORY:
+                    continue  # #25: history, not counted (it only grows)
                 runs.add_metric(
                     [cleanup_status, finished], by_cleanup.get((cleanup_status, finished), 0)
                 )
@@ -103,7 +136,8 @@ class LedgerCollector:
             gauge(
                 "runs",
                 "Runs by cleanup status, and whether the run has finished (a finished run "
-                "whose cleanup is pending is the sweep's backlog).",
+                "whose cleanup is pending is the sweep's backlog). Finished runs whose cleanup "
+                "is complete or not required are history and not counted.",
                 ["cleanup_status", "finished"],
             ),
             gauge(
@@ -151,6 +185,10 @@ class LedgerCollector:
             ),
             gauge("collect_duration_seconds", "Seconds this scrape spent reading the ledger."),
         ]
+
+
+#: Cleanup statuses of a finished run that owes nothing: history, never counted (#25).
+_HISTORY = ("complete", "not_required")
 
 
 def _terminal() -> tuple[str, ...]:
@@ -273,11 +311,16 @@ def install() -> None:
 
 
 class _DefaultRegistry:
-    """prometheus_client's default registry (this process's counters, and its process
-    and platform collectors), served beside the collector."""
+    """This process's counters from prometheus_client's default registry, served beside
+    the collector. Only the ledger's own families (#25): the default registry's
+    ``python_info``, ``process_*`` and ``python_gc_*`` describe whichever web process
+    answered and tell the reader its versions; a host that wants them serves its own
+    registry."""
 
     def collect(self) -> Iterator[Any]:
-        yield from prometheus().REGISTRY.collect()
+        for family in prometheus().REGISTRY.collect():
+            if family.name.startswith(f"{PREFIX}_"):
+                yield family
 
 
 def exposition_registry() -> Any:

@@ -5,7 +5,9 @@ check, ``manage.py ledger_status`` and the admin dashboard. Read from the databa
 from a process's memory, so every process and host reports the same. Each query is a
 GROUP BY over a range of an index (unresolved rows by ``(status, owner_module)``, running
 steps by ``(status, claimed_at)``, runs by ``(cleanup_status, status)``): the released
-history, however long, is never read.
+history, however long, is never read. Nor are finished runs whose cleanup is ``complete``
+or ``not_required`` counted (#25): their number only grows with history, and a count of
+them would read the whole runs index on every scrape and health probe.
 """
 
 from __future__ import annotations
@@ -20,10 +22,20 @@ from django.utils import timezone
 from .conf import ledger_settings
 from .db import UtcNow
 from .models import EventRun, EventRunResource, EventRunStep
-from .states import UNRESOLVED, CleanupStatus, ResourceStatus, StepStatus
+from .states import UNRESOLVED, CleanupStatus, ResourceStatus, RunStatus, StepStatus
 
 #: Rows of each list a detailed snapshot carries (the dashboard, the command).
 DETAIL_LIMIT = 10
+
+#: Runs not finished yet.
+IN_FLIGHT = (RunStatus.PENDING.value, RunStatus.RUNNING.value)
+#: #25: the runs counted, each a range of the index ``(cleanup_status, status)``: those
+#: owing something or waiting for a human, and those not finished. What is left out
+#: (finished, cleanup complete or never required) is history.
+OWING_RUNS = Q(cleanup_status__in=(CleanupStatus.PENDING, CleanupStatus.INCOMPLETE))
+CLEAR_RUNS_IN_FLIGHT = Q(
+    cleanup_status__in=(CleanupStatus.NOT_REQUIRED, CleanupStatus.COMPLETE), status__in=IN_FLIGHT
+)
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,8 @@ class StepsInFlight:
 class LedgerStatus:
     at: datetime
     max_age: timedelta
-    #: ``(cleanup_status, status) → runs``.
+    #: ``(cleanup_status, status) → runs``, of the runs owing or in flight (finished
+    #: runs whose cleanup is complete or not required are history, not counted).
     runs: dict[tuple[str, str], int]
     modules: list[ModuleRows]
     steps: list[StepsInFlight]
@@ -72,15 +85,19 @@ class LedgerStatus:
     running_steps: list[EventRunStep] = field(default_factory=list)
 
     @property
-    def runs_by_cleanup_status(self) -> dict[str, int]:
-        out = dict.fromkeys(EventRun.CleanupStatus.values, 0)
-        for (cleanup_status, _), n in self.runs.items():
-            out[cleanup_status] = out.get(cleanup_status, 0) + n
-        return out
+    def runs_in_flight(self) -> int:
+        """Runs not finished yet (pending or running), whatever their cleanup."""
+        return sum(n for (_, status), n in self.runs.items() if status in IN_FLIGHT)
+
+    @property
+    def cleanup_pending(self) -> int:
+        """Runs whose cleanup is ``pending`` (finished: the sweep's backlog; or still
+        running with something recorded)."""
+        return sum(n for (c, _), n in self.runs.items() if c == CleanupStatus.PENDING)
 
     @property
     def incomplete_runs(self) -> int:
-        return self.runs_by_cleanup_status.get(CleanupStatus.INCOMPLETE, 0)
+        return sum(n for (c, _), n in self.runs.items() if c == CleanupStatus.INCOMPLETE)
 
     @property
     def unresolved(self) -> int:
@@ -136,7 +153,9 @@ class LedgerStatus:
             "problems": self.problems,
             "at": self.at.isoformat(),
             "runs": {
-                "by_cleanup_status": self.runs_by_cleanup_status,
+                "in_flight": self.runs_in_flight,
+                "cleanup_pending": self.cleanup_pending,
+                "incomplete_count": self.incomplete_runs,
                 "incomplete": [r.pk for r in self.incomplete],
             },
             "unresolved": {
@@ -192,16 +211,23 @@ class LedgerStatus:
 
 
 def snapshot(*, details: bool = False) -> LedgerStatus:
-    """Read where the ledger stands: three queries, whatever the size of the tables;
+    """Read where the ledger stands: three queries, whatever the size of the tables (none
+    reads the history: released rows, settled steps, runs finished and given back);
     ``details`` adds three more, each bounded by ``DETAIL_LIMIT`` rows."""
     at = timezone.now()
     step_ttl = ledger_settings.STEP_CLAIM_TTL
     fresh = Q(claimed_at__gte=UtcNow() - step_ttl)
-    runs = {
-        (row["cleanup_status"], row["status"]): row["n"]
-        for row in EventRun.objects.order_by()
+    # #25: one range of the runs' index each, in one statement. Written as one WHERE
+    # with an OR, SQLite's planner reads the whole index instead (for its GROUP BY order).
+    owing, in_flight = (
+        EventRun.objects.filter(where)
+        .order_by()
         .values("cleanup_status", "status")
         .annotate(n=Count("pk"))
+        for where in (OWING_RUNS, CLEAR_RUNS_IN_FLIGHT)
+    )
+    runs = {
+        (row["cleanup_status"], row["status"]): row["n"] for row in owing.union(in_flight, all=True)
     }
     steps = [
         StepsInFlight(
@@ -244,9 +270,10 @@ def naming_incomplete(status: LedgerStatus) -> LedgerStatus:
     """The snapshot with its first incomplete runs (one more query, only when some are)."""
     if not status.incomplete_runs:
         return status
-    runs = EventRun.objects.filter(cleanup_status=CleanupStatus.INCOMPLETE).order_by("pk")[
-        :DETAIL_LIMIT
-    ]
+    # Through the ids, as _oldest_unresolved: given ORDER BY pk and a LIMIT, SQLite's
+    # planner walks the whole table in pk order instead of the index's range (#25).
+    ids = EventRun.objects.filter(cleanup_status=CleanupStatus.INCOMPLETE).values("pk")
+    runs = EventRun.objects.filter(pk__in=ids).order_by("pk")[:DETAIL_LIMIT]
     return replace(status, incomplete=list(runs))
 
 

@@ -1,33 +1,23 @@
-"""The metrics view (#15): Prometheus scrapes it with a bearer token, a staff user reads it
-in the browser. Wire it in the host's URLs: ``path("metrics", metrics)``."""
+"""The metrics view (#15): Prometheus scrapes it with a bearer token, a staff user who may
+view runs reads it in the browser. Wire it in the host's URLs: ``path("metrics", metrics)``."""
 
 from __future__ import annotations
-
-import hmac
 
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods
 
-from .conf import ledger_settings
-from .metrics import render
-
-
-def _bearer(request: HttpRequest) -> str | None:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+from .metrics import VIEW_PERMISSION, may_view, render, token_matches
 
 
 def allowed(request: HttpRequest) -> bool:
-    """A bearer token equal to ``METRICS_TOKEN`` (compared in constant time), or an
-    active staff user's session. A token is checked even when a session is present, so
-    a wrong one is refused, not papered over."""
-    token = _bearer(request)
-    expected = ledger_settings.METRICS_TOKEN
-    if token is not None:
-        return expected is not None and hmac.compare_digest(token.encode(), expected.encode())
-    user = getattr(request, "user", None)
-    return bool(user is not None and user.is_active and user.is_staff)
+    """A bearer token equal to ``METRICS_TOKEN``, or the session of a staff user who may
+    view runs. A token is checked even when a session is present, so a wrong one is
+    refused, not papered over."""
+    matches = token_matches(request)
+    if matches is not None:
+        return matches
+    return may_view(getattr(request, "user", None))
 
 
 @never_cache
@@ -35,8 +25,12 @@ def allowed(request: HttpRequest) -> bool:
 def metrics(request: HttpRequest) -> HttpResponse:
     if not allowed(request):
         user = getattr(request, "user", None)
-        if user is not None and user.is_authenticated and _bearer(request) is None:
-            return HttpResponse("Staff only.\n", status=403, content_type="text/plain")
+        if user is not None and user.is_authenticated and token_matches(request) is None:
+            return HttpResponse(
+                f"A staff user with the permission {VIEW_PERMISSION} only.\n",
+                status=403,
+                content_type="text/plain",
+            )
         response = HttpResponse(
             "A bearer token (EVENTS_LEDGER['METRICS_TOKEN']) or a staff session is needed.\n",
             status=401,

@@ -3,8 +3,7 @@
 from django.contrib import admin
 from django.urls import path
 from django.views.generic import RedirectView
-from health_check.views import HealthCheckView
-
+from events_ledger.health import LedgerHealthCheckView
 from events_ledger.views import metrics
 
 urlpatterns = [
@@ -12,10 +11,11 @@ urlpatterns = [
     # Prometheus scrapes it with EVENTS_LEDGER["METRICS_TOKEN"]; staff read it logged in.
     path("metrics", metrics, name="metrics"),
     # A load balancer or uptime check reads it: 500 when a run is incomplete or an
-    # unresolved resource is older than HEALTH_MAX_UNRESOLVED_AGE.
+    # unresolved resource is older than HEALTH_MAX_UNRESOLVED_AGE. The verdict for
+    # anyone; which runs and modules only for staff who may view runs, or the token.
     path(
         "health/",
-        HealthCheckView.as_view(
+        LedgerHealthCheckView.as_view(
             checks=["health_check.checks.Database", "events_ledger.health.LedgerHealthCheck"]
         ),
         name="health",

@@ -264,7 +264,9 @@ def test_the_collector_reads_where_the_ledger_stands(settings):  # #15: metrics
     runs = samples(families, "events_ledger_runs")
     assert runs[(("cleanup_status", "incomplete"), ("finished", "true"))] == 1
     assert runs[(("cleanup_status", "pending"), ("finished", "false"))] == 1
-    assert runs[(("cleanup_status", "complete"), ("finished", "true"))] == 0
+    # #25: finished runs given back are history, not counted (the count would grow).
+    assert (("cleanup_status", "complete"), ("finished", "true")) not in runs
+    assert (("cleanup_status", "not_required"), ("finished", "true")) not in runs
     assert samples(families, "events_ledger_unresolved_resources") == {
         (("owner", "banners"), ("status", "confirmed")): 1,
         (("owner", "world"), ("status", "confirmed")): 1,
@@ -330,6 +332,13 @@ def test_registering_the_collector_reads_nothing():  # #15: importable for hosts
     assert b"events_ledger_healthy 1.0" in generate_latest(registry)
 
 
+def operator(name: str, staff: bool = True, may_view: bool = True) -> User:
+    user = User.objects.create_user(name, is_staff=staff)
+    if may_view:
+        user.user_permissions.add(Permission.objects.get(codename="view_eventrun"))
+    return user
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     "who,token,status",
@@ -338,16 +347,17 @@ def test_registering_the_collector_reads_nothing():  # #15: importable for hosts
         ("anonymous", "wrong-token-wrong-token", 401),
         ("anonymous", TOKEN, 200),
         ("user", None, 403),  # logged in, not staff
-        ("staff", None, 200),
-        ("staff", "wrong-token-wrong-token", 401),  # a wrong token is refused, session or not
+        ("staff", None, 403),  # #25: staff, without the permission to view runs
+        ("viewer", None, 200),  # staff who may view runs, as the dashboard asks
+        ("viewer", "wrong-token-wrong-token", 401),  # a wrong token is refused, session or not
     ],
 )
-def test_metrics_need_a_staff_session_or_the_bearer_token(settings, who, token, status):
-    # #15: /metrics protected
+def test_metrics_need_the_view_permission_or_the_bearer_token(settings, who, token, status):
+    # #15, #25: /metrics protected like the dashboard (view_eventrun), not any staff
     settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "METRICS_TOKEN": TOKEN}
     client = Client()
     if who != "anonymous":
-        client.force_login(User.objects.create_user(who, is_staff=who == "staff"))
+        client.force_login(operator(who, staff=who != "user", may_view=who == "viewer"))
     headers = {"HTTP_AUTHORIZATION": f"Bearer {token}"} if token else {}
     response = client.get("/metrics", **headers)
     assert response.status_code == status
@@ -427,6 +437,8 @@ def test_a_call_past_its_deadline_is_counted_then_timed_when_it_ends():  # #15: 
 def test_the_view_serves_the_counters_beside_the_gauges(admin_client):  # #15: metrics view
     families = scrape(admin_client)
     assert "events_ledger_runs" in families and "events_ledger_resources_reverted" in families
+    # #25: the ledger's own metrics only: not the web process's versions and figures.
+    assert all(name.startswith("events_ledger_") for name in families), sorted(families)
     assert families["events_ledger_module_call_seconds"].type == "histogram"
     openmetrics = admin_client.get("/metrics", HTTP_ACCEPT="application/openmetrics-text")
     assert openmetrics["Content-Type"].startswith("application/openmetrics-text")
@@ -441,24 +453,30 @@ def fill(model, count: int, start: int = 0, status: str = "reverted") -> None:
     run = RunFactory(status="completed", cleanup_status="complete")
     table = model._meta.db_table
     vendor = connection.vendor
-    if model is EventRunResource:
+    if model is EventRun:
+        # #25: finished runs given back, the history every scrape must not count.
+        cols = "name, scope, status, cleanup_status, created_at, updated_at"
+        values = "{ref}, 'bench', %s, %s, {now}, {now}"
+    elif model is EventRunResource:
         cols = "run_id, owner_module, kind, ref, status, revert_attempts, claim_count, created_at, updated_at"
         values = "%s, 'bench', 'old', {ref}, %s, 0, 0, {now}, {now}"
     else:
         cols = "run_id, phase, seq, action_id, params, idempotency_key, status, attempts, created_at, updated_at"
         values = "%s, 'main', 0, 'bench.old', '{{}}', {ref}, %s, 1, {now}, {now}"
+    # A run's row is its own (status, cleanup status); a step's or a resource's names its run.
+    lead = "completed" if model is EventRun else run.pk
     with connection.cursor() as cursor:
         if vendor == "mysql":
             sql = values.format(ref="CONCAT('h-', seq)", now="UTC_TIMESTAMP(6)")
             cursor.execute(
                 f"INSERT INTO {table} ({cols}) SELECT {sql} FROM seq_{start + 1}_to_{start + count}",
-                [run.pk, status],
+                [lead, status],
             )
         elif vendor == "postgresql":
             sql = values.format(ref="'h-' || n", now="now()")
             cursor.execute(
                 f"INSERT INTO {table} ({cols}) SELECT {sql} FROM generate_series(%s, %s) AS n",
-                [run.pk, status, start + 1, start + count],
+                [lead, status, start + 1, start + count],
             )
         else:
             now = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
@@ -466,7 +484,7 @@ def fill(model, count: int, start: int = 0, status: str = "reverted") -> None:
             cursor.execute(
                 f"INSERT INTO {table} ({cols}) WITH RECURSIVE s(n) AS (SELECT %s UNION ALL "
                 f"SELECT n + 1 FROM s WHERE n < %s) SELECT {sql} FROM s",
-                [start + 1, start + count, run.pk, status],
+                [start + 1, start + count, lead, status],
             )
 
 
@@ -499,7 +517,7 @@ def full_scans(queries: list[str], tables: set[str]) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_no_full_scan_of_the_ledger_at_a_million_rows():  # #15: no full scan (EXPLAIN)
+def test_no_full_scan_of_the_ledger_at_a_million_rows():  # #15, #25: no full scan (EXPLAIN)
     from events_ledger.metrics import LedgerCollector
 
     # SQLite fills row by row in its CTE: a tenth is enough to show its plans.
@@ -508,6 +526,8 @@ def test_no_full_scan_of_the_ledger_at_a_million_rows():  # #15: no full scan (E
     fill(EventRunResource, 300, start=history, status="confirmed")
     fill(EventRunStep, history)
     fill(EventRunStep, 20, start=history, status="running")
+    fill(EventRun, history, status="complete")  # #25: the runs' history, never counted
+    fill(EventRun, 30, start=history, status="incomplete")
     EventRunStep.objects.filter(status="running").update(claimed_at=timezone.now())
     with connection.cursor() as cursor:
         for model in (EventRunResource, EventRunStep, EventRun):
@@ -523,7 +543,11 @@ def test_no_full_scan_of_the_ledger_at_a_million_rows():  # #15: no full scan (E
     with CaptureQueriesContext(connection) as detail_q:
         snapshot(details=True)  # ledger_status, the dashboard
     queries = [q["sql"] for q in scrape_q.captured_queries + detail_q.captured_queries]
-    tables = {EventRunResource._meta.db_table, EventRunStep._meta.db_table}
+    tables = {
+        EventRunResource._meta.db_table,
+        EventRunStep._meta.db_table,
+        EventRun._meta.db_table,  # #25: the runs behind health and metrics too
+    }
     found = full_scans(queries, tables)
     assert found == [], "\n".join(found)
     # The check is not blind: a filter on an unindexed column reads the table whole.
@@ -536,8 +560,36 @@ def test_no_full_scan_of_the_ledger_at_a_million_rows():  # #15: no full scan (E
 
 
 @pytest.mark.django_db
+def test_an_anonymous_health_probe_gets_the_verdict_only(settings):  # #25: health details
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "METRICS_TOKEN": TOKEN}
+    stuck = RunFactory(status="completed", cleanup_status="incomplete")
+    ResourceFactory(run=stuck, owner_module="secret-module", revert_attempts=3)
+
+    def ledger(client: Client, **headers: str) -> tuple[int, str]:
+        response = client.get("/health/", HTTP_ACCEPT="application/json", **headers)
+        return response.status_code, response.json()["LedgerHealthCheck()"]
+
+    status, text = ledger(Client())
+    assert status == 500 and "needs a human" in text
+    assert f"run {stuck.pk}" not in text and "secret-module" not in text
+    for fmt in ("text/plain", "text/html"):  # every rendering of the view
+        body = Client().get("/health/", HTTP_ACCEPT=fmt).content.decode()
+        assert f"(run {stuck.pk})" not in body and "needs a human" in body
+    staff = Client()
+    staff.force_login(operator("staff", may_view=False))  # staff, not allowed to view runs
+    assert f"(run {stuck.pk})" not in ledger(staff)[1]
+    viewer = Client()
+    viewer.force_login(operator("viewer"))
+    assert f"1 run(s) incomplete (run {stuck.pk})" in ledger(viewer)[1]
+    assert f"(run {stuck.pk})" in ledger(Client(), HTTP_AUTHORIZATION=f"Bearer {TOKEN}")[1]
+    wrong = ledger(Client(), HTTP_AUTHORIZATION="Bearer wrong-token-wrong-token")
+    assert wrong[0] == 500 and f"(run {stuck.pk})" not in wrong[1]
+
+
+@pytest.mark.django_db
 def test_the_health_check_through_django_health_checks_view(settings):  # #15: health check
     client = Client()
+    client.force_login(operator("ops"))  # #25: details for staff who may view runs
 
     def health() -> tuple[int, dict]:
         response = client.get("/health/", HTTP_ACCEPT="application/json")

@@ -13,7 +13,7 @@ from events_ledger.status import LedgerStatus, duration, snapshot
 
 class Command(LedgerCommand):
     help = gettext_noop(
-        "Print where the ledger stands: runs by cleanup status, unresolved resources by "
+        "Print where the ledger stands: runs in flight, owing or incomplete, unresolved resources by "
         "module, the oldest of them, steps in flight. Exit status 1 when it is unhealthy "
         "(a run incomplete, or an unresolved resource older than HEALTH_MAX_UNRESOLVED_AGE)."
     )
@@ -37,10 +37,16 @@ class Command(LedgerCommand):
             out(self.style.ERROR(_("events ledger: UNHEALTHY")))
             for problem in s.problems:
                 out(self.style.ERROR(f"  - {problem}"))
-        runs = s.runs_by_cleanup_status
+        # #25: the runs that need watching; finished and given back is history, not counted.
         out(
-            _("runs by cleanup: ")
-            + " · ".join(f"{name.replace('_', ' ')} {n}" for name, n in runs.items())
+            _(
+                "runs: in flight %(in_flight)d · cleanup pending %(pending)d · incomplete %(incomplete)d"
+            )
+            % {
+                "in_flight": s.runs_in_flight,
+                "pending": s.cleanup_pending,
+                "incomplete": s.incomplete_runs,
+            }
         )
         oldest = duration(s.age(s.oldest_unresolved))
         out(
