@@ -20,6 +20,7 @@ from .conf import ledger_settings
 from .db import (
     bounded,
     drop_if_dead,
+    dropping_dead,
     in_transaction,
     is_deadlock,
     retrying_deadlocks,
@@ -332,7 +333,7 @@ def cleanup_run(
     run = _run(run)
     if run.status not in EventRun.TERMINAL:
         raise RunNotTerminal(f"run {run.pk} is {run.status}: only a finished run is cleaned up")
-    with statements_retried(), log_context(run_id=run.pk):  # #15: log context
+    with dropping_dead(), statements_retried(), log_context(run_id=run.pk):  # #15
         _finish_earlier_passes()
         reset = None
         if reset_attempts:
@@ -898,7 +899,7 @@ def sweep(
     all, raises.
     """
     runs = EventRun.objects.all().in_scope(scope)
-    with statements_retried():
+    with dropping_dead(), statements_retried():
         report = _sweep(runs, limit, should_stop)
     report.in_hand = len(_backlog)
     return report
@@ -1029,7 +1030,7 @@ def reconcile_module(
     nothing is orphaned unless ``force``: a half-started world that answers "I have
     nothing" must not wipe the ledger.
     """
-    with statements_retried(), log_context(owner=owner):  # #15: log context
+    with dropping_dead(), statements_retried(), log_context(owner=owner):  # #15
         return _reconcile(owner, force, max_fraction)
 
 

@@ -282,6 +282,18 @@ def drop_if_dead(exc: BaseException, using: str = "default") -> bool:
     return False
 
 
+@contextmanager
+def dropping_dead(using: str = "default") -> Iterator[None]:
+    """A database error that ends the block with a connection the server or the network
+    ended drops that connection, so the caller's next statement on this thread
+    reconnects instead of failing with "gone away" for ever."""
+    try:
+        yield
+    except DatabaseError as exc:
+        drop_if_dead(exc, using)
+        raise
+
+
 #: Connections (by thread: Django's are per thread) sending something that must never
 #: be retried statement by statement (``unretried``).
 _unretried = threading.local()

@@ -14,6 +14,7 @@ from .conf import ledger_settings
 from .db import (
     bounded,
     drop_if_dead,
+    dropping_dead,
     in_transaction,
     statements_retried,
     storable,
@@ -290,7 +291,7 @@ def execute_step(step_or_id: EventRunStep | int) -> StepResult:
         known, step_id = step_or_id, int(step_or_id.pk)
     else:
         step_id = int(step_or_id)
-    with statements_retried(), log_context(step_id=step_id):  # #15: log context
+    with dropping_dead(), statements_retried(), log_context(step_id=step_id):  # #15
         return _claim_and_execute(step_id, known)
 
 

@@ -33,9 +33,10 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.dispatch import Signal
 
+from .db import drop_if_dead
 from .logcontext import log_context
 from .models import EventRun, EventRunResource, EventRunStep
 from .states import CleanupStatus, ResourceStatus
@@ -85,6 +86,8 @@ def _send(signal: Signal, sender: type, **kwargs: Any) -> None:
                         result,
                         exc_info=(type(result), result, result.__traceback__),
                     )
+                    if isinstance(result, DatabaseError):
+                        drop_if_dead(result)  # or the host's next write fails on it
 
     transaction.on_commit(deliver, robust=True)
 
@@ -96,8 +99,11 @@ def _quietly(what: str) -> Any:
         def safe(*args: Any, **kwargs: Any) -> None:
             try:
                 fn(*args, **kwargs)
-            except Exception:
+            except Exception as exc:
                 logger.exception("sending the signals of %s failed", what)
+                if isinstance(exc, DatabaseError):
+                    # Swallowed here, a dead connection would fail the host's next write.
+                    drop_if_dead(exc)
 
         return safe
 

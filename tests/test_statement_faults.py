@@ -1,0 +1,437 @@
+"""Faults at every statement (#24): each unit of work of the ledger, a step, a sweep pass,
+a reconcile, is run with a real fault at its k-th round trip, for every k:
+
+- through the rig's proxy (``scripts/rig/faultproxy.py``): the reply lost after the server
+  ran the request (a COMMIT's too: the outcome is unknown to the client), and the
+  connection reset before the request reached the server;
+- from the server itself, at the k-th statement that writes: a lock wait timeout behind
+  another session's locks, the statement interrupted (``KILL QUERY`` /
+  ``pg_cancel_backend``), its statement timeout, and its session killed.
+
+After each fault the same invariants hold, and then the run is ended and swept clean: the
+host's own write on the same connection is never lost (no session is left inside a
+transaction Django does not know of); no object is recorded twice; no object is given
+back twice; the world is back at its start; no step is left claimed by a call that no
+longer runs; every run's summary agrees with its rows.
+
+MariaDB and PostgreSQL (SQLite has no server to fault). On MariaDB a step takes the fast
+path (compound statements) and, with ``FAST_PATH`` off, the general path; elsewhere the
+general path. ``make test`` runs the short version (every k of the proxy's faults, the
+server's at the first, middle and last write); ``make chaos`` every k of every kind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from events_ledger.cleanup import reconcile_module, sweep
+from events_ledger.inflight import keeper
+from events_ledger.ledger import execute_step
+from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
+from project.world.models import Call, Creature
+from tests import faults
+from tests.helpers import new_run, spawn_step
+
+proxied_db = faults.proxied_db
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+Res = EventRunResource.objects
+FULL = os.environ.get("LEDGER_CHAOS") == "long"
+PROXY_KINDS = ("lose_reply", "reset")
+SERVER_KINDS = ("lock_wait", "interrupt", "statement_timeout", "kill_session")
+#: The TTLs a fault may leave a claim waiting for: short, so a trial ends in seconds.
+TTL = timedelta(seconds=1)
+#: How long the clean-up after a fault may take: the TTL, and passes to spare.
+SETTLE_S = 30.0
+
+
+@pytest.fixture
+def short_ttls(settings: Any, world: Any) -> Iterator[None]:
+    settings.EVENTS_LEDGER = {"STEP_CLAIM_TTL": TTL, "REVERT_CLAIM_TTL": TTL}
+    yield
+
+
+@dataclass
+class Tally:
+    """What a scenario tried, per kind of fault, for its figure."""
+
+    tried: Counter[str] = field(default_factory=Counter)
+    fired: Counter[str] = field(default_factory=Counter)
+    raised: Counter[str] = field(default_factory=Counter)
+    #: Faults armed for a round trip the unit did not make this time (it ended sooner:
+    #: a read it needed no longer, a branch it did not take).
+    unreached: Counter[str] = field(default_factory=Counter)
+
+    def figure(self, unit: str) -> str:
+        kinds = ", ".join(
+            f"{kind} {self.fired[kind]}/{self.tried[kind]}" for kind in sorted(self.tried)
+        )
+        return f"{unit}: faults fired/tried {kinds}; every invariant held"
+
+
+def _sample(positions: list[int]) -> list[int]:
+    """Every position in ``make chaos``; the first, middle and last in ``make test``."""
+    if FULL or len(positions) <= 3:
+        return positions
+    return sorted({positions[0], positions[len(positions) // 2], positions[-1]})
+
+
+# ── the invariants ──
+
+
+def _host_write_survives(tag: str) -> None:
+    """The host's own next write on this thread's connection commits (a session left
+    inside a transaction Django does not know of would swallow it)."""
+    name = f"host-{tag}"
+    EventRun.objects.create(name=name)
+    table = connection.ops.quote_name(EventRun._meta.db_table)
+    seen = faults.direct_query(f"SELECT COUNT(*) FROM {table} WHERE name = %s", [name])
+    assert seen[0][0] == 1, f"{tag}: the host's write on the same connection was lost"
+
+
+def _recorded_once(run: EventRun, tag: str) -> None:
+    rows = Counter(
+        Res.filter(run=run).exclude(kind=STEP_KIND).values_list("kind", "ref").order_by()
+    )
+    twice = {target: n for target, n in rows.items() if n > 1}
+    assert not twice, f"{tag}: recorded twice: {twice}"
+
+
+def _given_back_once(spawned: dict[str, str], tag: str) -> None:
+    """No creature was despawned twice: by its ref, or by its step's key (an empty list
+    gives back whatever the key spawned). ``spawned``: serial -> the key that made it."""
+    per_creature: Counter[str] = Counter()
+    for key, refs in Call.objects.filter(verb="despawn").values_list("idempotency_key", "refs"):
+        per_creature.update(refs or [s for s, made_by in spawned.items() if made_by == key])
+    twice = {ref: n for ref, n in per_creature.items() if n > 1 and ref in spawned}
+    assert not twice, f"{tag}: given back twice: {twice}"
+
+
+def _end_and_sweep(run: EventRun, tag: str) -> None:
+    """The run ended, then swept until its ledger is clean, within the TTL and passes to
+    spare: a claim a fault left waits at most the TTL."""
+    EventRun.objects.filter(pk=run.pk, status__in=["pending", "running"]).update(status="cancelled")
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        sweep()
+        run.refresh_from_db()
+        clean = (
+            run.cleanup_status in ("complete", "not_required")
+            and not Res.filter(run=run).unresolved().exists()
+        )
+        if clean:
+            break
+        assert time.monotonic() < deadline, (
+            f"{tag}: not clean after {SETTLE_S} s: {run.cleanup_status}, "
+            f"{list(Res.filter(run=run).values_list('kind', 'status', 'revert_attempts'))}"
+        )
+        time.sleep(0.1)
+    # Clean means no step of the run held it back: none was claimed by a call that
+    # could still run (a claim the fault left went stale within the TTL).
+    assert not keeper.held(), f"{tag}: a claim is kept fresh for a call that ended"
+
+
+def _world_at_start(tag: str) -> None:
+    assert Creature.objects.count() == 0, f"{tag}: the world was not given back"
+
+
+def _fresh_world() -> None:
+    Creature.objects.all().delete()
+    Call.objects.all().delete()
+
+
+def _spawned() -> dict[str, str]:
+    """The creatures in the world now: serial -> the idempotency key that spawned it."""
+    return dict(Creature.objects.values_list("serial", "spawned_by"))
+
+
+# ── running a unit under each fault ──
+
+
+def _under_proxy_faults(
+    db: Any,
+    tally: Tally,
+    prepare: Callable[[], Any],
+    unit: Callable[[Any], Any],
+    check: Callable[[Any, str, dict[str, str]], None],
+) -> None:
+    """Enumerate the requests of ``unit`` on fresh input, then fault each k in turn."""
+    _fresh_world()
+    first = prepare()
+    spawned = _spawned()
+    work = db.enumerate(lambda: unit(first))
+    check(first, "unfaulted", spawned)
+    assert work.error is None, work.error
+    assert work.requests, "the unit sent nothing through the proxy"
+    for kind in PROXY_KINDS:
+        for k in range(1, work.requests + 1):
+            tag = f"{kind}@{k}/{work.requests}"
+            _fresh_world()
+            given = prepare()
+            spawned = _spawned()
+            db.reconnect()
+            session = db.session_id()
+            db.arm(kind, k)
+            tally.tried[kind] += 1
+            try:
+                unit(given)
+            except Exception:
+                tally.raised[kind] += 1
+            db.proxy.disarm(session)  # a unit that sent fewer requests this time
+            fired = bool(db.fired())
+            tally.fired[kind] += fired
+            tally.unreached[kind] += not fired
+            check(given, tag, spawned)
+
+
+def _under_server_faults(
+    tally: Tally,
+    prepare: Callable[[], Any],
+    unit: Callable[[Any], Any],
+    check: Callable[[Any, str, dict[str, str]], None],
+) -> None:
+    _fresh_world()
+    first = prepare()
+    spawned = _spawned()
+    work = faults.enumerate_work(lambda: unit(first))
+    check(first, "unfaulted", spawned)
+    assert work.error is None, work.error
+    assert work.faultable, "the unit wrote nothing"
+    for kind in SERVER_KINDS:
+        for k in _sample(work.faultable):
+            tag = f"{kind}@{k}"
+            _fresh_world()
+            given = prepare()
+            spawned = _spawned()
+            tally.tried[kind] += 1
+            with faults.server_fault(kind, k) as fault:
+                try:
+                    unit(given)
+                except Exception:
+                    tally.raised[kind] += 1
+            tally.fired[kind] += fault.fired
+            check(given, tag, spawned)
+
+
+@contextlib.contextmanager
+def _fast_path(on: bool, settings: Any) -> Iterator[None]:
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "FAST_PATH": on}
+    yield
+
+
+PATHS = pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "general-path"])
+
+
+def _skip_if_no_fast_path(fast: bool) -> None:
+    if fast and not (connection.vendor == "mysql" and connection.mysql_is_mariadb):
+        pytest.skip("the fast path runs on MariaDB only")
+
+
+# ── a step ──
+
+
+def _step_input() -> EventRunStep:
+    return spawn_step(new_run(name="faulted"), "north", 2)
+
+
+def _step_unit(step: EventRunStep) -> Any:
+    return execute_step(step)
+
+
+def _step_check(step: EventRunStep, tag: str, spawned: dict[str, str]) -> None:
+    _host_write_survives(tag)
+    run = EventRun.objects.get(pk=step.run_id)
+    _recorded_once(run, tag)
+    _end_and_sweep(run, tag)
+    _recorded_once(run, tag)
+    _given_back_once(spawned, tag)
+    _world_at_start(tag)
+
+
+@PATHS
+def test_a_step_loses_nothing_to_a_fault_at_any_round_trip(
+    proxied_db, short_ttls, settings, figure, fast
+):  # W5, rule 1, #24
+    connection.ensure_connection()
+    _skip_if_no_fast_path(fast)
+    tally = Tally()
+    with _fast_path(fast, settings):
+        _under_proxy_faults(proxied_db, tally, _step_input, _step_unit, _step_check)
+    figure(tally.figure("a step"), True, tried=dict(tally.tried), fired=dict(tally.fired))
+    assert sum(tally.fired.values()) >= sum(tally.tried.values()) // 2, tally
+
+
+@PATHS
+def test_a_step_loses_nothing_to_a_server_fault_at_any_write(
+    short_ttls, settings, figure, fast
+):  # W5, rule 1, #24
+    faults.require_server()
+    connection.ensure_connection()
+    _skip_if_no_fast_path(fast)
+    tally = Tally()
+    with _fast_path(fast, settings):
+        _under_server_faults(tally, _step_input, _step_unit, _step_check)
+    figure(tally.figure("a step"), True, tried=dict(tally.tried), fired=dict(tally.fired))
+    assert sum(tally.fired.values()) > 0, tally
+
+
+# ── a sweep pass ──
+
+
+def _pass_input() -> EventRun:
+    run = new_run(name="to-give-back")
+    assert execute_step(spawn_step(run, "north", 2)).outcome == "done"
+    EventRun.objects.transition(run, "cancelled", from_="running")
+    return run
+
+
+def _pass_unit(run: EventRun) -> Any:
+    return sweep()
+
+
+def _pass_check(run: EventRun, tag: str, spawned: dict[str, str]) -> None:
+    _host_write_survives(tag)
+    _end_and_sweep(run, tag)
+    _recorded_once(run, tag)
+    _given_back_once(spawned, tag)
+    _world_at_start(tag)
+
+
+def test_a_sweep_pass_gives_back_once_whatever_round_trip_fails(
+    proxied_db, short_ttls, figure
+):  # C4, C5, #24
+    tally = Tally()
+    _under_proxy_faults(proxied_db, tally, _pass_input, _pass_unit, _pass_check)
+    figure(tally.figure("a sweep pass"), True, tried=dict(tally.tried), fired=dict(tally.fired))
+    assert sum(tally.fired.values()) >= sum(tally.tried.values()) // 2, tally
+
+
+def test_a_sweep_pass_gives_back_once_whatever_write_the_server_fails(
+    short_ttls, figure
+):  # C4, C5, #24
+    faults.require_server()
+    tally = Tally()
+    _under_server_faults(tally, _pass_input, _pass_unit, _pass_check)
+    figure(tally.figure("a sweep pass"), True, tried=dict(tally.tried), fired=dict(tally.fired))
+    assert sum(tally.fired.values()) > 0, tally
+
+
+# ── a reconcile ──
+
+
+def _reconcile_input() -> EventRun:
+    """A run whose world restarted under one of its three creatures."""
+    run = new_run(name="restarted")
+    assert execute_step(spawn_step(run, "north", 3)).outcome == "done"
+    gone = Creature.objects.order_by("pk").first()
+    assert gone is not None
+    gone.delete()
+    return run
+
+
+def _reconcile_unit(run: EventRun) -> Any:
+    return reconcile_module("world")
+
+
+def _reconcile_check(run: EventRun, tag: str, spawned: dict[str, str]) -> None:
+    _host_write_survives(tag)
+    reconcile_module("world")  # the next reconcile, unfaulted, finishes what was cut
+    there = set(Creature.objects.values_list("serial", flat=True))
+    rows = Res.filter(run=run).exclude(kind=STEP_KIND)
+    orphaned = set(rows.filter(status="orphaned").values_list("ref", flat=True))
+    live = set(rows.filter(status="confirmed").values_list("ref", flat=True))
+    assert live == there and len(orphaned) == 1 and not orphaned & there, (tag, live, orphaned)
+    logged = EventRunLog.objects.filter(run=run, kind="resource.orphaned")
+    assert logged.exists(), f"{tag}: a row was orphaned without its log entry (C7)"
+    _end_and_sweep(run, tag)
+    _recorded_once(run, tag)
+    _given_back_once(spawned, tag)
+    _world_at_start(tag)
+
+
+def test_a_reconcile_orphans_once_whatever_round_trip_fails(
+    proxied_db, short_ttls, figure
+):  # C6, C7, #24
+    tally = Tally()
+    _under_proxy_faults(proxied_db, tally, _reconcile_input, _reconcile_unit, _reconcile_check)
+    figure(tally.figure("a reconcile"), True, tried=dict(tally.tried), fired=dict(tally.fired))
+    assert sum(tally.fired.values()) >= sum(tally.tried.values()) // 2, tally
+
+
+def test_a_reconcile_orphans_once_whatever_write_the_server_fails(
+    short_ttls, figure
+):  # C6, C7, #24
+    faults.require_server()
+    tally = Tally()
+    _under_server_faults(tally, _reconcile_input, _reconcile_unit, _reconcile_check)
+    figure(tally.figure("a reconcile"), True, tried=dict(tally.tried), fired=dict(tally.fired))
+    assert sum(tally.fired.values()) > 0, tally
+
+
+# ── #24, finding 2: a COMMIT whose answer was lost, and a cleanup before the client knew ──
+
+
+@PATHS
+def test_an_answer_committed_unanswered_and_given_back_since_is_never_recorded_again(
+    proxied_db, short_ttls, settings, fast
+):  # W3, W5, C4, #24: finding 2 (recorded and given back twice)
+    """The step's second transaction commits and its answer is lost on the way back; before
+    the worker learns anything, the run is cancelled and cleaned up (its rows given
+    back). What the worker then does must not record the answer again: the rows would be
+    live again, the run pending, and every object given back a second time."""
+    connection.ensure_connection()
+    _skip_if_no_fast_path(fast)
+    import threading
+
+    _fresh_world()
+    with _fast_path(fast, settings):
+        unfaulted = _step_input()
+        work = proxied_db.enumerate(lambda: _step_unit(unfaulted))
+        # The request that commits the answer: the last of the unit.
+        k = work.requests
+        _end_and_sweep(EventRun.objects.get(pk=unfaulted.run_id), "unfaulted")
+        _fresh_world()
+        step = _step_input()
+        spawned_before: dict[str, str] = {}
+        cleaned: list[bool] = []
+
+        def clean_up_meanwhile() -> None:
+            try:
+                spawned_before.update(_spawned())
+                EventRun.objects.filter(pk=step.run_id).update(status="cancelled")
+                sweep()
+                cleaned.append(True)
+            finally:
+                from django.db import connections
+
+                connections.close_all()
+
+        def first_statement_after_the_fault(execute, sql, params, many, context):
+            if proxied_db.fired() and not cleaned:
+                thread = threading.Thread(target=clean_up_meanwhile)
+                thread.start()
+                thread.join()
+            return execute(sql, params, many, context)
+
+        proxied_db.reconnect()
+        session = proxied_db.session_id()
+        proxied_db.arm("lose_reply", k)
+        with connection.execute_wrapper(first_statement_after_the_fault):
+            with contextlib.suppress(Exception):
+                execute_step(step)
+        proxied_db.proxy.disarm(session)
+        assert proxied_db.fired() and cleaned, "the fault or the cleanup did not happen"
+        run = EventRun.objects.get(pk=step.run_id)
+        _recorded_once(run, "lost commit answer")
+        _end_and_sweep(run, "lost commit answer")
+        _given_back_once({**spawned_before, **_spawned()}, "lost commit answer")
+        _world_at_start("lost commit answer")
+        assert Creature.objects.count() == 0
