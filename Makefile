@@ -36,7 +36,7 @@ demo: venv
 
 serve: venv
 	@test -f $(DEMO_DB) || $(MAKE) demo
-	DATABASE_URL=sqlite:///$(DEMO_DB) $(PY) manage.py runserver 127.0.0.1:8000
+	DEBUG=true DATABASE_URL=sqlite:///$(DEMO_DB) $(PY) manage.py runserver 127.0.0.1:8000
 
 test: venv venv6
 	scripts/test-all

@@ -116,10 +116,35 @@ class EventRunAdmin(LedgerAdmin):
         return cast(EventRunQuerySet, super().get_queryset(request)).with_unresolved_count()
 
     def has_delete_permission(self, request: HttpRequest, obj: EventRun | None = None) -> bool:
-        # The FK is PROTECT too; here the button is not even offered.
-        if obj is not None and Res.filter(run=obj).exists():
+        # #25: a run that has not ended or owes anything is not even offered for deletion;
+        # the FK of its rows is PROTECT too.
+        if obj is not None and self.why_kept(obj) is not None:
             return False
         return super().has_delete_permission(request, obj)
+
+    def why_kept(self, run: EventRun) -> str | None:
+        """Why the console will not delete ``run`` (#25), or None: it must have ended,
+        its cleanup be complete (or never required), and the ledger remember nothing of
+        it (its rows, reverted or not, are PROTECT: they are the record of what it did)."""
+        if not run.is_terminal:
+            return _("it is still %(status)s") % {"status": run.status}
+        if run.cleanup_status not in (CleanupStatus.COMPLETE, CleanupStatus.NOT_REQUIRED):
+            return _("its cleanup is %(status)s") % {"status": run.cleanup_status}
+        if Res.filter(run=run).exists():
+            return _("the ledger still records what it changed")
+        return None
+
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> Any:
+        """delete_selected and the delete page both ask this: a run the console keeps is
+        listed as protected, with the reason, and nothing is deleted. What a deletable
+        run takes with it (its steps and log) is listed by Django's confirmation page, and
+        the deletion is written to the admin's history (LogEntry)."""
+        deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        for run in objs:
+            reason = self.why_kept(run)
+            if reason is not None:
+                protected = [*protected, _("%(run)s: %(reason)s") % {"run": run, "reason": reason}]
+        return deleted, counts, perms_needed, protected
 
     @admin.display(description=gettext_lazy("run"), ordering="id")
     def run_name(self, run: EventRun) -> str:
@@ -227,7 +252,7 @@ class EventRunAdmin(LedgerAdmin):
 
     def _retry_one(self, request: HttpRequest, run: EventRun) -> None:
         try:
-            s = cleanup_run(run, reset_attempts=True, actor=request.user.get_username())
+            s = self._retry(request, run)
         except RunNotTerminal as exc:
             self.message_user(request, _("Refused: %(reason)s") % {"reason": exc}, messages.ERROR)
             return
@@ -259,6 +284,27 @@ class EventRunAdmin(LedgerAdmin):
             text += f" ({'; '.join(s.errors[:3])})"
         self.message_user(request, text, levels.get(s.cleanup_status, messages.ERROR))
 
+    def _retry(self, request: HttpRequest, run: EventRun) -> Any:
+        """C4 with the human's reset, written to the admin's history (#25: LogEntry,
+        where admins look first) as well as to the run's own log."""
+        summary = cleanup_run(run, reset_attempts=True, actor=request.user.get_username())
+        self.log_change(
+            request,
+            run,
+            _(
+                "Retried cleanup (attempts reset): reverted %(reverted)d, drifted %(drifted)d, "
+                "failed %(failed)d, remaining %(remaining)d → cleanup %(status)s"
+            )
+            % {
+                "reverted": summary.reverted,
+                "drifted": summary.drifted,
+                "failed": summary.failed,
+                "remaining": summary.remaining,
+                "status": summary.cleanup_status,
+            },
+        )
+        return summary
+
     # ── POST /admin/events_ledger/eventrun/<id>/cleanup/ ──
 
     def get_urls(self) -> list[Any]:
@@ -279,15 +325,19 @@ class EventRunAdmin(LedgerAdmin):
             return JsonResponse(
                 {"ok": False, "error": "POST only"}, status=405, headers={"Allow": "POST"}
             )
-        # Re-checked here: a URL is not an action, nothing filtered it by permission.
-        if not self.has_retry_cleanup_permission(request):
-            error = "permission events_ledger.retry_cleanup required"
+        # Re-checked here: a URL is not an action, nothing filtered it by permission. Both
+        # permissions before the run is looked up, so the answer (403 for every id) tells
+        # someone without them nothing of which runs exist (#25).
+        if not (self.has_view_permission(request) and self.has_retry_cleanup_permission(request)):
+            error = (
+                "permissions events_ledger.view_eventrun and events_ledger.retry_cleanup required"
+            )
             return JsonResponse({"ok": False, "error": error}, status=403)
         run = self.get_object(request, unquote(object_id))
         if run is None:
             return JsonResponse({"ok": False, "error": f"no run {object_id}"}, status=404)
         try:
-            summary = cleanup_run(run, reset_attempts=True, actor=request.user.get_username())
+            summary = self._retry(request, run)
         except RunNotTerminal as exc:
             return JsonResponse({"ok": False, "run_id": run.pk, "error": str(exc)}, status=409)
         return JsonResponse({"ok": True, **summary.as_dict()}, encoder=DjangoJSONEncoder)
@@ -408,6 +458,23 @@ class EventRunResourceAdmin(LedgerAdmin):
         owners = sorted(set(queryset.order_by().values_list("owner_module", flat=True).distinct()))
         for owner in owners:
             s = reconcile_module(owner)
+            # #25: in the admin's history, on the selected rows of the module it asked.
+            for row in queryset.filter(owner_module=owner).order_by("pk")[:PAGE_LIMIT]:
+                self.log_change(
+                    request,
+                    row,
+                    _(
+                        "Reconciled module %(owner)s: asked %(asked)d, in force %(in_force)d, "
+                        "orphaned %(orphaned)d, unanswered %(unanswered)d"
+                    )
+                    % {
+                        "owner": owner,
+                        "asked": s.asked,
+                        "in_force": s.in_force,
+                        "orphaned": s.orphaned,
+                        "unanswered": s.unanswered,
+                    },
+                )
             text = _(
                 "%(owner)s: asked %(asked)d, in force %(in_force)d, orphaned %(orphaned)d, "
                 "unanswered %(unanswered)d"

@@ -52,5 +52,6 @@ def sweep_task(limit: int | None = None, scope: str | None = None) -> dict[str, 
 
 @shared_task(name="events_ledger.reconcile")
 def reconcile_task(owner: str | None = None, force: bool = False) -> dict[str, Any]:
-    """Reconcile one module, or every module with live rows (C6)."""
+    """Reconcile one module, or every module with live rows (C6). ``force`` is refused
+    (the task fails with the reason): the orphan bound holds, as in the console (#25)."""
     return jobs.reconcile_once(owner, force)

@@ -81,14 +81,25 @@ def sweep_once(limit: int | None = None, scope: str | None = None) -> dict[str, 
     }
 
 
+#: Why a queue never forces a reconcile (#25).
+FORCE_REFUSED = (
+    "a reconcile is never forced from a task queue (anyone who can publish to the broker "
+    "could send it): the orphan bound (RECONCILE_MAX_ORPHAN_FRACTION) holds, as in the "
+    "console; a human forces it with manage.py reconcile_resources --force"
+)
+
+
 def reconcile_once(owner: str | None = None, force: bool = False) -> dict[str, Any]:
-    """C6: one module (``owner``), or every module with live rows."""
+    """C6: one module (``owner``), or every module with live rows; never forced (#25):
+    ``force`` is refused, so a message from the broker cannot skip the orphan bound."""
     from .cleanup import reconcile_all, reconcile_module
 
+    if force is not False:
+        raise ValueError(FORCE_REFUSED)
     _fresh_connection()
     try:
         if owner:
-            return {owner: reconcile_module(owner, force=force).as_dict()}
-        return {name: s.as_dict() for name, s in reconcile_all(force=force).items()}
+            return {owner: reconcile_module(owner).as_dict()}
+        return {name: s.as_dict() for name, s in reconcile_all().items()}
     finally:
         _fresh_connection()

@@ -7,14 +7,22 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import environ
+from django.core.management.utils import get_random_secret_key
 
 BASE_DIR = Path(__file__).resolve().parent
 
 env = environ.Env()
 environ.Env.read_env(BASE_DIR.parent / ".env", overwrite=False)
 
-SECRET_KEY = env("SECRET_KEY", default="events-ledger-example-not-secret")
-DEBUG = env.bool("DEBUG", default=True)
+# #25: off unless asked for (DEBUG=true, as `make serve` does): a debug page shows settings
+# and code to anyone who makes an error happen.
+DEBUG = env.bool("DEBUG", default=False)
+# #25: no public key outside DEBUG. Unset, a key is made for this process alone: nothing
+# signed (a session, a password-reset link) outlives it, and nobody can forge one. Set
+# SECRET_KEY in the environment of anything that serves users.
+SECRET_KEY = env("SECRET_KEY", default="") or (
+    "events-ledger-example-debug-only" if DEBUG else get_random_secret_key()
+)
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 
 INSTALLED_APPS = [

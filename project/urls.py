@@ -3,6 +3,7 @@
 from django.contrib import admin
 from django.urls import path
 from django.views.generic import RedirectView
+
 from events_ledger.health import LedgerHealthCheckView
 from events_ledger.views import metrics
 

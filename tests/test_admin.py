@@ -496,3 +496,109 @@ def test_reconcile_action_reports_a_held_back_answer(world, admin_client):  # S3
     )
     # No force from the console: the ledger is left alone.
     assert set(Res.filter(kind="creature").values_list("status", flat=True)) == {"confirmed"}
+
+
+# ── #25: the security review ──
+
+
+def user_with(*codenames: str) -> Client:
+    user = User.objects.create_user("-".join(codenames) or "bare", is_staff=True)
+    user.user_permissions.add(*Permission.objects.filter(codename__in=codenames))
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.mark.django_db
+def test_the_endpoint_needs_view_too_and_tells_nobody_which_runs_exist():  # S3, #25
+    run = incomplete_run()
+    retry_only = user_with("retry_cleanup")  # may retry, may not view runs
+    answers = {retry_only.post(endpoint(pk)).status_code for pk in (run.pk, 987654)}
+    assert answers == {403}  # the same answer for a run that exists and one that does not
+    assert "view_eventrun" in retry_only.post(endpoint(run.pk)).json()["error"]
+    viewer = user_with("view_eventrun")
+    assert {viewer.post(endpoint(pk)).status_code for pk in (run.pk, 987654)} == {403}
+    assert not EventRunLog.objects.filter(run=run, kind="cleanup.retry").exists()
+    both = user_with("view_eventrun", "retry_cleanup")
+    assert both.post(endpoint(run.pk)).status_code == 200
+
+
+@pytest.mark.django_db
+def test_a_run_is_deleted_only_once_it_has_ended_and_owes_nothing(admin_client):  # S3, #25
+    from django.contrib.admin.models import DELETION, LogEntry
+
+    running = RunFactory(status="running")  # nothing recorded yet
+    StepFactory(run=running)
+    owing = RunFactory(status="completed", cleanup_status="pending")
+    given_back = RunFactory(status="completed", cleanup_status="complete")
+    ResourceFactory(run=given_back, status="reverted")  # the record of what it did
+    done = RunFactory(status="cancelled", cleanup_status="not_required")
+    StepFactory(run=done)
+    LogFactory(run=done)
+    for run in (running, owing, given_back):
+        page = admin_client.get(reverse("admin:events_ledger_eventrun_delete", args=[run.pk]))
+        assert page.status_code == 403  # no delete page, no button
+        selected = {"action": "delete_selected", "_selected_action": [run.pk], "post": "yes"}
+        resp = admin_client.post(runs_url(), selected, follow=True)
+        assert EventRun.objects.filter(pk=run.pk).exists()
+        assert "Cannot delete" in resp.content.decode() or "protected" in resp.content.decode()
+    confirm = admin_client.post(
+        runs_url(), {"action": "delete_selected", "_selected_action": [done.pk]}
+    )
+    text = confirm.content.decode()
+    assert "event run steps: 1" in text.lower() and "event run log: 1" in text.lower()
+    admin_client.post(
+        runs_url(), {"action": "delete_selected", "_selected_action": [done.pk], "post": "yes"}
+    )
+    assert not EventRun.objects.filter(pk=done.pk).exists()
+    # The deletion is in the admin's history, with the run's name.
+    assert LogEntry.objects.filter(action_flag=DELETION, object_repr=str(done)).exists()
+
+
+@world_db
+def test_console_actions_are_in_the_admins_history(world, admin_client):  # S3, #25: LogEntry
+    from django.contrib.admin.models import CHANGE, LogEntry
+
+    run = new_run()
+    execute_step(spawn_step(run, "north", 1))
+    EventRun.objects.transition(run, "completed", from_="running")
+    retry(admin_client, run)
+    entry = LogEntry.objects.get(object_id=str(run.pk), action_flag=CHANGE)
+    assert "Retried cleanup (attempts reset)" in entry.get_change_message()
+    assert "→ cleanup complete" in entry.get_change_message()
+    run2 = new_run()
+    execute_step(spawn_step(run2, "south", 1))
+    row = Res.filter(run=run2).exclude(kind="@step").get()
+    reconcile(admin_client, row)
+    logged = LogEntry.objects.get(object_id=str(row.pk), action_flag=CHANGE)
+    assert logged.get_change_message().startswith("Reconciled module world: asked 1")
+    history = admin_client.get(reverse("admin:events_ledger_eventrun_history", args=[run.pk]))
+    assert "Retried cleanup" in history.content.decode()
+
+
+def test_a_reconcile_from_the_queue_is_never_forced():  # C6, #25
+    from events_ledger import jobs
+
+    with pytest.raises(ValueError, match="never forced from a task queue"):
+        jobs.reconcile_once("world", force=True)
+
+
+def test_the_example_project_is_not_in_debug_and_has_no_public_key(tmp_path):  # #25
+    import os
+    import subprocess
+    import sys
+
+    from tests.processes import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DEBUG", "SECRET_KEY")}
+    env.update(DJANGO_SETTINGS_MODULE="project.settings", DATABASE_URL=f"sqlite:///{tmp_path}/x")
+    read = "import django; django.setup(); from django.conf import settings as s; print(s.DEBUG, s.SECRET_KEY)"
+    keys = set()
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", read], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        debug, key = out.stdout.split()
+        assert debug == "False" and "example" not in key
+        keys.add(key)
+    assert len(keys) == 2  # made for each process: nothing public to forge with

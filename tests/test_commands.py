@@ -368,7 +368,7 @@ def test_commands_print_database_text_as_text():
         command("cleanup_runs", "--dry-run", "--run", str(run.pk), "--reset-attempts"),
         command("cleanup_runs"),
     ]
-    for code, out, err in outputs:
+    for _code, out, err in outputs:
         assert "\x1b" not in out + err and "\x07" not in out + err
     assert "refused\\x1b]0;pwned\\x07\\x1b[2J" in outputs[0][1]  # shown, not obeyed
     assert "night\\x1b]0;pwned" in outputs[1][1]
