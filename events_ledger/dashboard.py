@@ -16,8 +16,9 @@ from django.utils import timezone
 from django.utils.formats import date_format
 from django.utils.translation import gettext as _
 
+from .conf import ledger_settings
 from .models import EventRun, EventRunResource, EventRunStep
-from .states import HELD, UNRESOLVED, StepStatus
+from .states import HELD, STEP_KIND, UNRESOLVED, CleanupStatus, StepStatus
 from .status import LedgerStatus, ModuleRows, duration
 
 #: Modules drawn in the bar chart; the rest are counted under it.
@@ -178,15 +179,40 @@ def run_timeline(
     end (or now, while anything is still open)."""
     now = now or timezone.now()
     left, right, lane, head = 230, 16, 20, 26
+    # #25: the @step placeholders are the ledger's bookkeeping, not what the run changed.
+    rows = [r for r in rows if r.kind != STEP_KIND]
     shown_steps, shown_rows = list(steps)[:MAX_STEP_LANES], list(rows)[:MAX_ROW_LANES]
+    ended = run.is_terminal
+    # #25: a finished run's axis ends with its last event, not now: a row still held
+    # after the run ended is drawn open to that edge, not stretched across the hours since.
+    last = max(
+        [
+            run.finished_at or run.created_at,
+            *(s.updated_at for s in shown_steps),
+            *(r.updated_at for r in shown_rows),
+        ]
+    )
+    edge = last if ended else now
+    max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
 
     def step_end(s: EventRunStep) -> tuple[datetime, bool]:
         done = s.status in (StepStatus.DONE, StepStatus.FAILED, StepStatus.REFUSED)
-        return (s.updated_at if done else now), not done
+        if not done and ended and s.status == StepStatus.PENDING:
+            # Never ran: its run ended first (cancelled). Not open; a sliver at its creation.
+            return s.created_at, False
+        return (s.updated_at if done else edge), not done
 
     def row_end(r: EventRunResource) -> tuple[datetime, bool]:
         held = r.status in HELD
-        return (now if held else r.updated_at), held
+        return (edge if held else r.updated_at), held
+
+    def row_status(r: EventRunResource) -> str:
+        # #25: a row the sweep has given up on (attempts spent, or its run incomplete) is
+        # stuck: red, not the amber of a row simply held.
+        stuck = r.status in UNRESOLVED and (
+            r.revert_attempts >= max_attempts or run.cleanup_status == CleanupStatus.INCOMPLETE
+        )
+        return "stuck" if stuck else r.status
 
     starts = [
         run.created_at,
@@ -201,6 +227,11 @@ def run_timeline(
     t0, t1 = min(starts), max(ends)
     if t1 - t0 < timedelta(seconds=1):
         t1 = t0 + timedelta(seconds=1)
+    # #25: ticks on round values (every 1, 2, 5, 10, 15, 30 s, 1, 2, 5, 10, 15, 30 min, …),
+    # the axis widened to the ticks around it.
+    every = _tick_every((t1 - t0).total_seconds())
+    t0 = _floor(t0, every)
+    t1 = _floor(t1, every) + (timedelta(seconds=every) if _floor(t1, every) < t1 else timedelta(0))
     plot = width - left - right
     span = (t1 - t0).total_seconds()
 
@@ -222,11 +253,15 @@ def run_timeline(
     steps_y = y
     for s in shown_steps:
         end, still = step_end(s)
-        title = (
-            f"step {s.pk} {s.action_id}: {s.status}, attempt {s.attempts}; "
+        never = ended and s.status == StepStatus.PENDING
+        title = f"step #{s.seq} {s.action_id}: " + (
+            f"never ran (the run was {run.status})"
+            if never
+            else f"{s.status}, attempt {s.attempts}; "
             f"{_when(s.created_at)} → {'still ' + s.status if still else _when(end)}"
         )
-        add("step", f"step {s.seq} · {s.action_id}", s.status, s.created_at, end, still, title)
+        status = "cancelled" if never else s.status
+        add("step", f"#{s.seq} · {s.action_id}", status, s.created_at, end, still, title)
     rows_y = None
     if shown_rows:
         y += 10 if shown_steps else 0
@@ -236,10 +271,14 @@ def run_timeline(
         title = f"{r.owner_module} {r.kind}:{r.ref}: recorded {_when(r.created_at)}, " + (
             f"still {r.status}" if held else f"{r.status} {_when(end)}"
         )
-        add("resource", f"{r.kind}:{r.ref}", r.status, r.created_at, end, held, title)
+        add("resource", f"{r.kind}:{r.ref}", row_status(r), r.created_at, end, held, title)
+    count = int(span // every)
     ticks = [
-        (x_of(t0 + (t1 - t0) * i / 4), _when(t0 + (t1 - t0) * i / 4, short=span < 86_400))
-        for i in range(5)
+        (
+            x_of(t0 + timedelta(seconds=every * i)),
+            _when(t0 + timedelta(seconds=every * i), short=span < 86_400),
+        )
+        for i in range(count + 1)
     ]
     marks = []
     if run.started_at:
@@ -260,6 +299,21 @@ def run_timeline(
         steps_y=steps_y,
         rows_y=rows_y,
     )
+
+
+#: Tick spacings, seconds: round values a reader counts in.
+_TICKS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+
+
+def _tick_every(span: float) -> int:
+    """The smallest round spacing that gives at most 6 intervals over ``span`` seconds."""
+    return next((t for t in _TICKS if span / t <= 6), int(-(-span // 6 // 86400)) * 86400 or 86400)
+
+
+def _floor(t: datetime, every: int) -> datetime:
+    """``t`` down to a multiple of ``every`` seconds (in UTC, microseconds dropped)."""
+    stamp = int(t.timestamp())
+    return datetime.fromtimestamp(stamp - stamp % every, tz=t.tzinfo)
 
 
 def _when(t: datetime, short: bool = False) -> str:

@@ -11,7 +11,7 @@ from django.utils.translation import gettext_noop
 
 from .cleanup import Group, plan_run
 from .conf import ledger_settings
-from .models import EventRunResource
+from .models import EventRunResource, EventRunStep
 from .states import UNRESOLVED, ResourceStatus
 
 #: Said under a call by key: the step's answer may be on the ledger only in part.
@@ -96,12 +96,14 @@ def diagnose(row: EventRunResource) -> Diagnosis:
         ) % {"groups": len(plan)}
     elif group.waiting_for:
         w = group.waiting_for
+        # #25: the step as the run's page names it (#seq), not its database id.
+        seq = EventRunStep.objects.filter(pk=w["step"]).values_list("seq", flat=True).first()
         note = _(
             "Its step %(step)s (%(action)s) is in flight on %(host)s since %(since)s UTC: a "
             "call of it may still change the world, so cleanup waits until the call ends (or "
             "until its claim goes stale, STEP_CLAIM_TTL after that process stopped stamping it)."
         ) % {
-            "step": w["step"],
+            "step": f"#{seq}" if seq is not None else w["step"],
             "action": w["action"],
             "host": w["claimed_by"] or _("an unknown host"),
             "since": w["claimed_at"],

@@ -268,7 +268,8 @@ def test_why_is_this_stuck_names_the_step_in_flight(admin_client):  # S3, the in
     )
     why = admin_client.get(row_url(row)).content.decode()
     why = why[why.index('id="el-why"') :]
-    assert f"step {step.pk} (world.spawn) is in flight on worker-7:4242" in why
+    # #25: named as the run's page names it (#seq), not by its database id.
+    assert f"step #{step.seq} (world.spawn) is in flight on worker-7:4242" in why
     assert "cleanup waits until the call ends" in why
     assert ".revert(" not in why  # no call is made while it waits
 

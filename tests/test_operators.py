@@ -882,3 +882,60 @@ def test_a_sweepers_counters_reach_the_view_in_multiprocess_mode(world, tmp_path
     calls = samples(families, "events_ledger_module_call_seconds")
     assert calls[(("call", "world.spawn.revert"), ("le", "+Inf"), ("outcome", "answered"))] == 1
     assert "events_ledger_runs" in families  # the database's gauges beside them
+
+
+@pytest.mark.django_db
+def test_a_one_second_run_s_timeline_is_readable():  # #25: the run timeline
+    from events_ledger.dashboard import run_timeline
+    from events_ledger.models import STEP_KIND
+
+    start = timezone.now().replace(microsecond=300_000) - timedelta(hours=3)
+    run = RunFactory(
+        status="cancelled",
+        cleanup_status="incomplete",
+        created_at=start,
+        started_at=start,
+        finished_at=start + timedelta(seconds=1),
+    )
+    ran = StepFactory(
+        run=run,
+        seq=1,
+        status="done",
+        created_at=start,
+        updated_at=start + timedelta(milliseconds=400),
+    )
+    never = StepFactory(run=run, seq=2, status="pending", created_at=start, updated_at=start)
+    ResourceFactory(
+        run=run,
+        step=ran,
+        kind=STEP_KIND,
+        ref=ran.idempotency_key,
+        status="reverted",
+        created_at=start,
+        updated_at=start + timedelta(milliseconds=300),
+    )
+    ResourceFactory(
+        run=run,
+        step=ran,
+        kind="creature",
+        ref="wolf-1",
+        revert_attempts=3,
+        created_at=start + timedelta(milliseconds=200),
+        updated_at=start + timedelta(milliseconds=900),
+    )
+    rows = list(EventRunResource.objects.for_run(run))
+    t = run_timeline(run, [ran, never], rows, now=start + timedelta(hours=3))
+    labels = [lane.label for lane in t.lanes]
+    assert labels == ["#1 · test.make", "#2 · test.make", "creature:wolf-1"]  # no @step row
+    never_lane, row_lane = t.lanes[1], t.lanes[2]
+    assert never_lane.status == "cancelled" and not never_lane.open  # never ran: not "open"
+    assert "never ran (the run was cancelled)" in never_lane.title
+    assert row_lane.status == "stuck"  # red, not the amber of a row simply held
+    # The axis is the run's second, not three hours to now: ticks every 1 s, round.
+    xs = [x for x, _ in t.ticks]
+    assert len(t.ticks) in (2, 3) and xs[0] == t.left and xs[-1] == t.width - t.right
+    seconds = [label.rsplit(":", 1)[1] for _, label in t.ticks]
+    assert [int(s) for s in seconds] == sorted(
+        {(int(seconds[0]) + i) % 60 for i in range(len(seconds))}
+    )
+    assert row_lane.width > 100  # the held row spans the run's second, readable
