@@ -14,8 +14,8 @@ from django.utils.translation import gettext as _
 #: Exit statuses. 0: clean, or retries pending. 1: something needs a human. 2: bad input.
 OK, NEEDS_HUMAN, BAD_INPUT = 0, 1, 2
 
-#: What a terminal would obey in database text: C0 controls but the newline and tab, DEL,
-#: C1 controls (0x9b is a CSI on its own), and the bidirectional overrides that reorder a
+#: What a terminal would obey in database text: controls below 0x20 but newline and tab, DEL,
+#: the controls 0x80-0x9f (0x9b is a CSI on its own), and the bidirectional overrides that reorder a
 #: line (#25: an ``ESC]0;…`` in a row's last_error retitled the operator's terminal).
 _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
