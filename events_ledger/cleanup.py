@@ -97,8 +97,9 @@ class Group:
     def call(self) -> str:
         if self.waiting_for:
             w = self.waiting_for
+            name = f"#{w['seq']}" if w.get("seq") is not None else str(w["step"])
             return (
-                f"waits for step {w['step']} ({w['action']}) in flight on "
+                f"waits for step {name} ({w['action']}) in flight on "
                 f"{w['claimed_by'] or 'an unknown host'} since {w['claimed_at']}"
             )
         if self.lease_ref:
@@ -140,6 +141,7 @@ def group_rows(rows: Iterable[EventRunResource], step_ttl: Any = None) -> list[G
                 "claimed_by",
                 "claimed_at",
                 "live",
+                "seq",
             )
         else:
             fields = ("pk", "action_id", "idempotency_key")
@@ -173,6 +175,8 @@ def _waiting_for(step_id: Any, step: tuple[Any, ...] | None) -> dict[str, Any] |
     claimed_at = step[3]
     return {
         "step": step_id,
+        # #25: the step as the run page names it (its place in the run, not its id).
+        "seq": step[5] if len(step) > 5 else None,
         "action": step[0],
         "claimed_by": step[2],
         "claimed_at": claimed_at.isoformat() if claimed_at else None,

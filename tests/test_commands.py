@@ -278,7 +278,8 @@ def test_dry_run_and_json_name_the_step_cleanup_waits_for(world):  # S1, the inv
     EventRun.objects.transition(run, "cancelled", from_="running")
     code, out, _ = command("cleanup_runs", "--dry-run")
     assert code == 0
-    assert f"waits for step {step.pk} (world.spawn) in flight on worker-3:777 since" in out
+    # #25: named as the run page names it, by its place in the run.
+    assert f"waits for step #{step.seq} (world.spawn) in flight on worker-3:777 since" in out
     code, out, _ = command("cleanup_runs", "--dry-run", "--json")
     [group] = json.loads(out)["runs"][str(run.pk)]
     assert group["waiting_for"]["claimed_by"] == "worker-3:777"

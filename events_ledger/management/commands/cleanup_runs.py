@@ -241,7 +241,8 @@ class Command(LedgerCommand):
                         "  waits for step %(step)s (%(action)s) in flight on %(host)s since %(since)s"
                     )
                     % {
-                        "step": w["step"],
+                        # #25: the step as the run page names it.
+                        "step": f"#{w['seq']}" if w.get("seq") is not None else w["step"],
                         "action": w["action"],
                         "host": w["claimed_by"] or _("an unknown host"),
                         "since": w["claimed_at"],
