@@ -7,12 +7,15 @@ import logging
 from datetime import datetime
 from typing import Any, cast
 
+from django.apps.registry import Apps
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied
 from django.core.serializers.json import DjangoJSONEncoder
+from django.db import models
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
@@ -88,6 +91,65 @@ class LedgerAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False  # the console reads; it changes state only through the services
+
+
+# ── the dashboard's row on the admin index ──
+
+
+class Dashboard(models.Model):
+    """The "Dashboard" row under "Events ledger" on the admin index and in its sidebar
+    (#25): the dashboard one click away, not only behind the app's heading.
+
+    Not one of the app's models: it lives in a registry of its own, so it has no table,
+    no migration, no content type and no permissions, and nothing that lists the app's
+    models (``get_models()``, the checks, a host's tooling) sees it. A proxy or an
+    unmanaged model would be all of those; overriding ``admin/index.html`` or
+    ``admin/app_list.html`` would take the host's own overrides (or a theme's) away."""
+
+    class Meta:
+        apps = Apps()
+        app_label = "events_ledger"
+        managed = False
+        default_permissions = ()
+        verbose_name = gettext_lazy("dashboard")
+        verbose_name_plural = gettext_lazy("dashboard")
+
+
+@admin.register(Dashboard)
+class DashboardAdmin(admin.ModelAdmin):
+    """One URL, the row's link: a redirect to the events ledger's page, which draws the
+    dashboard. Shown to whoever may view runs, the dashboard's own permission (S3)."""
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("events_ledger.view_eventrun")
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return self.has_module_permission(request)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_urls(self) -> list[Any]:
+        # Only the list's URL, the one the index links: no object to add, change or delete.
+        name = f"{self.opts.app_label}_{self.opts.model_name}_changelist"
+        return [path("", self.admin_site.admin_view(self.dashboard_view), name=name)]
+
+    def dashboard_view(self, request: HttpRequest) -> HttpResponse:
+        # Re-checked here: admin_view has required an active staff user only.
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        url = reverse(
+            "admin:app_list",
+            kwargs={"app_label": self.opts.app_label},
+            current_app=self.admin_site.name,
+        )
+        return HttpResponseRedirect(url)
 
 
 # ── runs ──

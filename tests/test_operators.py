@@ -835,6 +835,36 @@ def test_the_dashboard_is_for_those_who_may_see_the_runs():  # #15, S3 permissio
 
 
 @pytest.mark.django_db
+def test_the_dashboard_is_one_click_from_the_admin_index():  # #25, S3 permissions
+    dashboard = reverse("admin:events_ledger_dashboard_changelist")
+    app_index = reverse("admin:app_list", args=["events_ledger"])
+    link = f'<a href="{dashboard}">Dashboard</a>'
+    # Who may view runs finds a "Dashboard" row under "Events ledger" on the index and in
+    # the sidebar of every admin page; it leads to the events ledger's page.
+    allowed = viewer()
+    index = allowed.get(reverse("admin:index"))
+    assert index.status_code == 200 and link in index.content.decode()
+    assert link in allowed.get(reverse("admin:events_ledger_eventrun_changelist")).content.decode()
+    followed = allowed.get(dashboard, follow=True)
+    assert followed.redirect_chain == [(app_index, 302)]
+    assert 'id="el-dashboard"' in followed.content.decode()
+    # Who may see the ledger's rows but not its runs: no row, and the URL refuses them.
+    User.objects.filter(username="viewer").delete()
+    other = viewer(perms=("view_eventrunresource",))
+    index = other.get(reverse("admin:index"))
+    html = index.content.decode()
+    assert index.status_code == 200 and "Event run resources" in html
+    assert dashboard not in html
+    assert other.get(dashboard).status_code == 403
+    # Nothing of it in the database: no content type, no permission, not the app's model.
+    from django.apps import apps
+    from django.contrib.contenttypes.models import ContentType
+
+    assert not ContentType.objects.filter(app_label="events_ledger", model="dashboard").exists()
+    assert "dashboard" not in {m._meta.model_name for m in apps.get_models()}
+
+
+@pytest.mark.django_db
 def test_a_runs_page_draws_its_steps_and_its_resources_lives(admin_client):  # #15: timeline
     run = RunFactory(status="completed", cleanup_status="pending")
     step = new_step(run, "world.spawn")
