@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import datetime
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from django.apps.registry import Apps
 from django.contrib import admin, messages
@@ -26,11 +26,14 @@ from django.utils.translation import gettext_lazy
 
 from .cleanup import RunNotTerminal, cleanup_run, plan_run, reconcile_module
 from .conf import ledger_settings
-from .dashboard import run_timeline
+from .dashboard import DATETIME_FORMAT, TIME_FORMAT, run_timeline, when
 from .diagnosis import claim_stamp, diagnose
 from .models import EventRun, EventRunResource
 from .querysets import EventRunQuerySet, EventRunResourceQuerySet
-from .states import UNRESOLVED, CleanupStatus, ResourceStatus
+from .states import UNRESOLVED, CleanupStatus, ResourceStatus, status_label
+
+if TYPE_CHECKING:
+    from django_stubs_ext import StrOrPromise
 
 logger = logging.getLogger("events_ledger")
 
@@ -41,12 +44,9 @@ PAGE_LIMIT = 500
 
 
 def pill(value: str) -> str:
-    # Coloured by status in static/events_ledger/admin/console.css, as the templates' pills are.
-    return format_html('<span class="el-pill el-s-{}">{}</span>', value, value.replace("_", " "))
-
-
-def when(value: datetime | None, fmt: str = "Y-m-d H:i:s") -> str:
-    return date_format(timezone.localtime(value), fmt) if value else "–"
+    # Coloured by status in static/events_ledger/admin/console.css, as the templates' pills
+    # are; worded as they are (#25: "Not required" beside "Pending").
+    return format_html('<span class="el-pill el-s-{}">{}</span>', value, status_label(value))
 
 
 def when_cell(value: datetime | None) -> str:
@@ -61,11 +61,59 @@ def when_cell(value: datetime | None) -> str:
     )
 
 
+def stamp(field: str, label: StrOrPromise) -> Any:
+    """A read-only date field of the change page, written as the rest of the console
+    writes a moment (#25), not in the admin's own DATETIME_FORMAT."""
+
+    @admin.display(description=label, ordering=field)
+    def show(self: Any, obj: Any) -> str:
+        return when(getattr(obj, field))
+
+    return show
+
+
 def as_json(value: Any, indent: int | None = None) -> str:
-    """Module payloads and log details as text; templates escape it (never mark_safe)."""
+    """Module payloads as text; templates escape it (never mark_safe)."""
     return json.dumps(
         value, cls=DjangoJSONEncoder, sort_keys=True, indent=indent, ensure_ascii=False
     )
+
+
+def as_lines(value: Any, indent: str = "") -> str:
+    """A log entry's detail as an operator reads it (#25): one ``key: value`` line per key,
+    keys sorted, nested mappings indented under their key, lists of plain values joined
+    with commas, any other list one ``- item`` per line. Text, escaped by the templates."""
+    if isinstance(value, dict):
+        if not value:
+            return f"{indent}–"
+        lines = []
+        for key in sorted(value, key=str):
+            item = value[key]
+            if _plain(item) or (isinstance(item, list) and all(map(_plain, item))):
+                lines.append(f"{indent}{key}: {_scalar(item)}")
+            else:
+                lines.append(f"{indent}{key}:")
+                lines.append(as_lines(item, indent + "  "))
+        return "\n".join(lines)
+    if isinstance(value, list) and not all(map(_plain, value)):
+        return "\n".join(
+            f"{indent}- " + as_lines(item, indent + "  ").lstrip(" ") for item in value
+        )
+    return f"{indent}{_scalar(value)}"
+
+
+def _plain(value: Any) -> bool:
+    return not isinstance(value, dict | list)
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, list):
+        return ", ".join(_scalar(v) for v in value) or "–"
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return _("yes") if value else _("no")
+    return str(value)
 
 
 class LedgerAdmin(admin.ModelAdmin):
@@ -168,9 +216,18 @@ class EventRunAdmin(LedgerAdmin):
     fields = (
         ("name", "scope"),
         ("status_pill", "cleanup_pill", "unresolved"),
-        ("created_at", "started_at", "finished_at", "updated_at"),
+        ("created_when", "started_when", "finished_when", "updated_when"),
     )
-    readonly_fields = ("status_pill", "cleanup_pill", "unresolved")
+    readonly_fields = (
+        "status_pill",
+        "cleanup_pill",
+        "unresolved",
+        *("created_when", "started_when", "finished_when", "updated_when"),
+    )
+    created_when = stamp("created_at", gettext_lazy("created at"))
+    started_when = stamp("started_at", gettext_lazy("started at"))
+    finished_when = stamp("finished_at", gettext_lazy("finished at"))
+    updated_when = stamp("updated_at", gettext_lazy("updated at"))
     change_form_template = "events_ledger/admin/eventrun_change_form.html"
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[EventRun]:
@@ -234,8 +291,8 @@ class EventRunAdmin(LedgerAdmin):
         same_day = end is not None and timezone.localdate(start) == timezone.localdate(end)
         return format_html(
             '<span class="el-nowrap">{}</span><br><span class="el-nowrap el-quiet">→ {}</span>',
-            when(start, "Y-m-d H:i"),
-            when(end, "H:i" if same_day else "Y-m-d H:i"),
+            when(start),
+            when(end, TIME_FORMAT if same_day else DATETIME_FORMAT),
         )
 
     @admin.display(description=gettext_lazy("unresolved"), ordering="unresolved_count")
@@ -274,7 +331,7 @@ class EventRunAdmin(LedgerAdmin):
                     for r in rows
                 ],
                 ledger_total=total,
-                log=[(e, as_json(e.detail)) for e in log],
+                log=[(e, as_lines(e.detail)) for e in log],
                 stuck=list(Res.unresolved_for_run(obj)) if incomplete else [],
                 can_retry=self.has_retry_cleanup_permission(request) and obj.is_terminal,
                 page_limit=PAGE_LIMIT,
@@ -438,11 +495,18 @@ class EventRunResourceAdmin(LedgerAdmin):
         ("status", "revert_attempts", "claim_count"),
         "last_error",
         ("claim_token", "claimed_since"),
-        ("lease_until", "member_key"),
+        ("lease_until_when", "member_key"),
         "payload_json",
-        ("created_at", "updated_at"),
+        ("created_when", "updated_when"),
     )
-    readonly_fields = ("claimed_since", "payload_json")
+    readonly_fields = (
+        "claimed_since",
+        "payload_json",
+        *("lease_until_when", "created_when", "updated_when"),
+    )
+    lease_until_when = stamp("lease_until", gettext_lazy("lease until"))
+    created_when = stamp("created_at", gettext_lazy("created at"))
+    updated_when = stamp("updated_at", gettext_lazy("updated at"))
     change_form_template = "events_ledger/admin/eventrunresource_change_form.html"
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:

@@ -21,6 +21,12 @@ from .models import EventRun, EventRunResource, EventRunStep
 from .states import HELD, STEP_KIND, UNRESOLVED, CleanupStatus, StepStatus
 from .status import LedgerStatus, ModuleRows, duration
 
+#: The one way the console writes a moment (#25): the run page, the timeline, the dashboard,
+#: a row's page; in the current time zone, as Django's templates show it.
+DATETIME_FORMAT = "Y-m-d H:i:s"
+#: A tick of the timeline's axis under a day: the same, without the date.
+TIME_FORMAT = "H:i:s"
+
 #: Modules drawn in the bar chart; the rest are counted under it.
 MAX_BARS = 12
 #: Lanes of a run's timeline, steps first; the rest are counted under it.
@@ -316,8 +322,13 @@ def _floor(t: datetime, every: int) -> datetime:
     return datetime.fromtimestamp(stamp - stamp % every, tz=t.tzinfo)
 
 
+def when(t: datetime | None, fmt: str = DATETIME_FORMAT) -> str:
+    """A moment as the console writes it (#25: one format everywhere), "–" for none."""
+    return date_format(timezone.localtime(t), fmt) if t else "–"
+
+
 def _when(t: datetime, short: bool = False) -> str:
-    return date_format(timezone.localtime(t), "H:i:s" if short else "Y-m-d H:i:s")
+    return when(t, TIME_FORMAT if short else DATETIME_FORMAT)
 
 
 def _cut(text: str, limit: int) -> str:

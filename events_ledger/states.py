@@ -23,13 +23,19 @@ class RunStatus(models.TextChoices):
 
 class CleanupStatus(models.TextChoices):
     #: Nothing was ever ledgered for the run.
-    NOT_REQUIRED = "not_required", "not required"
+    NOT_REQUIRED = "not_required", "Not required"  # #25: as the others read ("Pending")
     #: Something is (or may be) left to give back: the sweep will work the run.
     PENDING = "pending"
     #: Everything was given back (or never needed to be).
     COMPLETE = "complete"
     #: A row is spent (attempts or claims) or released unclean: it waits for a human.
     INCOMPLETE = "incomplete"
+
+
+def status_label(value: str) -> str:
+    """A status as the console shows it (#25): one capital, words apart, as the choices'
+    labels and the list filters read ("Pending", "Not required", "In flight")."""
+    return value.replace("_", " ").capitalize()
 
 
 class StepStatus(models.TextChoices):

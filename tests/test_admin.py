@@ -298,6 +298,105 @@ def test_payloads_errors_and_log_details_render_as_text(admin_client):  # S3
 
 
 @pytest.mark.django_db
+def test_log_details_read_as_key_value_lines(admin_client):  # S3, #25: not raw JSON
+    run = RunFactory(status="completed", cleanup_status="complete")
+    detail = {
+        "by": "alice <ops>",
+        "summary": {"reverted": 2, "failed": 0, "errors": []},
+        "refs": ["wolf-1", "wolf-2"],
+        "calls": [{"call": "world.spawn.revert", "ok": True}],
+        "force": False,
+        "holder": None,
+    }
+    EventRunLog.objects.write(run, "cleanup.retry", detail)
+    html = admin_client.get(run_url(run)).content.decode()
+    log = html[html.index('id="el-log"') :]
+    expected = "\n".join(
+        [
+            "by: alice &lt;ops&gt;",
+            "calls:",
+            "  - call: world.spawn.revert",
+            "    ok: yes",
+            "force: no",
+            "holder: –",
+            "refs: wolf-1, wolf-2",
+            "summary:",
+            "  errors: –",
+            "  failed: 0",
+            "  reverted: 2",
+        ]
+    )
+    assert f'<pre class="el-detail">{expected}</pre>' in log
+    assert "{&quot;" not in log and '{"' not in log  # no JSON left
+
+
+@pytest.mark.django_db
+def test_one_date_format_on_the_run_page_its_timeline_and_the_dashboard(
+    admin_client, settings
+):  # S3, #25: Y-m-d H:i:s in the current time zone, never the admin's DATETIME_FORMAT
+    from datetime import UTC, datetime
+
+    from django.utils.formats import date_format
+
+    settings.TIME_ZONE = "Europe/Berlin"  # the console says local time, not "UTC"
+    t0 = datetime(2026, 3, 4, 5, 6, 7, tzinfo=UTC)
+    s = timedelta(seconds=1)
+    run = RunFactory(
+        status="completed",
+        cleanup_status="pending",
+        created_at=t0,
+        started_at=t0 + s,
+        finished_at=t0 + 3 * s,
+        updated_at=t0 + 4 * s,
+    )
+    step = StepFactory(run=run, status="done", created_at=t0 + s, updated_at=t0 + 2 * s)
+    row = ResourceFactory(
+        run=run, step=step, status="reverting", created_at=t0 + s, updated_at=t0 + 2 * s
+    )
+    log = LogFactory(run=run, kind="run.completed")
+    EventRunLog.objects.filter(pk=log.pk).update(created_at=t0 + 3 * s)
+    pages = {
+        "run": admin_client.get(run_url(run)).content.decode(),
+        "row": admin_client.get(row_url(row)).content.decode(),
+        "dashboard": admin_client.get(
+            reverse("admin:app_list", args=["events_ledger"])
+        ).content.decode(),
+    }
+    for when in (t0, t0 + s, t0 + 3 * s, t0 + 4 * s):
+        local = timezone.localtime(when)
+        assert local.hour == when.hour + 1  # Berlin, not UTC
+        # The run's own fields, its log entry (t0+3s) and its timeline's titles.
+        assert date_format(local, "Y-m-d H:i:s") in pages["run"], when
+        for page in pages.values():
+            assert date_format(local, "DATETIME_FORMAT") not in page
+    timeline = pages["run"][pages["run"].index('id="el-timeline"') :]
+    assert "2026-03-04 06:06:08 → 2026-03-04 06:06:09" in timeline  # the step's title
+    assert "since 2026-03-04 06:06:09" in pages["row"] and " UTC" not in pages["row"]
+    assert 'title="recorded 2026-03-04 06:06:08"' in pages["dashboard"]  # the oldest row
+
+
+@pytest.mark.django_db
+def test_statuses_are_worded_alike_everywhere(admin_client):  # S3, #25
+    RunFactory(status="completed", cleanup_status="not_required")
+    pending = RunFactory(status="completed", cleanup_status="pending")
+    StepFactory(run=pending, status="done")
+    ResourceFactory(run=pending, owner_module="world")
+    runs = admin_client.get(runs_url()).content.decode()
+    # The list filter (the model's choices) and the pills: one capital, words apart.
+    for label in ("Not required", "Pending", "Complete", "Incomplete", "Completed"):
+        assert f">{label}<" in runs, label
+    assert '<span class="el-pill el-s-not_required">Not required</span>' in runs
+    assert '<span class="el-pill el-s-pending">Pending</span>' in runs
+    page = admin_client.get(run_url(pending)).content.decode()
+    assert '<span class="el-pill el-s-done">Done</span>' in page  # the step
+    assert '<span class="el-pill el-s-confirmed">Confirmed</span>' in page  # its row
+    dashboard = admin_client.get(reverse("admin:app_list", args=["events_ledger"]))
+    assert '<span class="el-pill el-s-confirmed">Confirmed</span>' in dashboard.content.decode()
+    for html in (runs, page, dashboard.content.decode()):
+        assert ">not required<" not in html and ">pending<" not in html
+
+
+@pytest.mark.django_db
 def test_ledger_rows_are_never_added_changed_or_deleted(admin_client):  # S3
     run = incomplete_run()
     row = run.resources.get()

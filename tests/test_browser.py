@@ -101,7 +101,7 @@ def test_operator_retries_an_incomplete_run(live_server, world, django_user_mode
 
             page.goto(f"{runs}{run.pk}/change/")
             assert page.locator("#el-incomplete").count() == 0
-            assert page.inner_text(".fieldBox.field-cleanup_pill .el-pill") == "complete"
+            assert page.inner_text(".fieldBox.field-cleanup_pill .el-pill") == "Complete"  # #25
             page.screenshot(path=str(ARTIFACTS / "run-after-retry.png"), full_page=True)
         finally:
             browser.close()

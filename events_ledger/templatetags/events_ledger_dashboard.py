@@ -1,12 +1,16 @@
 """``{% ledger_dashboard %}``: the app index's dashboard (#15), a thin shell over the
-status snapshot and the pictures made from it."""
+status snapshot and the pictures made from it; and the console's two filters (#25):
+``status_label`` (a status as every page words it) and ``ledger_when`` (a moment as every
+page writes it)."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from django import template
 
+from events_ledger import dashboard, states
 from events_ledger.dashboard import overview
 from events_ledger.status import snapshot
 
@@ -21,3 +25,13 @@ def ledger_dashboard(context: Any) -> dict[str, Any]:
     if user is None or not user.has_perm("events_ledger.view_eventrun"):
         return {"dashboard": None}
     return {"dashboard": overview(snapshot(details=True)), "request": request}
+
+
+@register.filter
+def status_label(value: object) -> str:
+    return states.status_label(str(value))
+
+
+@register.filter
+def ledger_when(value: datetime | None) -> str:
+    return dashboard.when(value)
