@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import ipaddress
 import json
 import os
@@ -439,6 +440,9 @@ class Fault:
 
 
 DATA, PAUSE, EOF, RESET = "data", "pause", "eof", "reset"
+#: Waits shorter than this sleep in a thread (see ``Direction.write_loop``).
+SHORT_WAIT_S = 0.005
+_sleepers = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="delay")
 
 
 class Direction:
@@ -486,7 +490,12 @@ class Direction:
             while True:
                 due, kind, payload = await self.queue.get()
                 wait = due - loop.time()
-                if wait > 0:
+                if 0 < wait < SHORT_WAIT_S:
+                    # The event loop sleeps in whole milliseconds (epoll's timeout): a
+                    # 0.25 ms delay would cost a millisecond or more. A thread's sleep is
+                    # good to tens of microseconds, and its end wakes the loop at once.
+                    await loop.run_in_executor(_sleepers, time.sleep, wait)
+                elif wait > 0:
                     await asyncio.sleep(wait)
                 if kind == DATA:
                     self.writer.write(payload)
