@@ -55,3 +55,13 @@ def reconcile_task(owner: str | None = None, force: bool = False) -> dict[str, A
     """Reconcile one module, or every module with live rows (C6). ``force`` is refused
     (the task fails with the reason): the orphan bound holds, as in the console (#25)."""
     return jobs.reconcile_once(owner, force)
+
+
+@shared_task(name="events_ledger.prune")
+def prune_task(
+    older_than: float | None = None, batch: int | None = None, archive: str | None = None
+) -> dict[str, Any]:
+    """Prune the history (#28): runs that ended ``older_than`` seconds ago (else
+    ``RETENTION``) and owe nothing. Run it daily from Celery beat; a prune killed half-way
+    is finished by the next."""
+    return jobs.prune_once(older_than, batch, archive)

@@ -38,6 +38,9 @@ DEFAULTS: dict[str, Any] = {
     # #24: on MariaDB a small step's two transactions each go to the server as one
     # compound statement (one round trip each). False sends every step the general way.
     "FAST_PATH": True,
+    # #28: how long a finished run that owes nothing is kept before `prune_ledger` (or
+    # its task) removes it with its steps, rows and log. None keeps every run for ever.
+    "RETENTION": None,
 }
 
 #: A shorter bearer token is guessable; the check says so at start-up.
@@ -116,6 +119,12 @@ class _Token(_Setting["str | None"]):
         return value
 
 
+class _Retention(_Setting["timedelta | None"]):
+    def check(self, value: Any) -> timedelta | None:
+        # None (the default) keeps history for ever; anything else reads as a duration.
+        return None if value is None else _Duration.check(self, value)  # type: ignore[arg-type]
+
+
 class _Flag(_Setting[bool]):
     def check(self, value: Any) -> bool:
         if not isinstance(value, bool):
@@ -144,6 +153,7 @@ class LedgerSettings:
     HEALTH_MAX_UNRESOLVED_AGE = _Duration()
     METRICS_TOKEN = _Token()
     FAST_PATH = _Flag()
+    RETENTION = _Retention()
 
     def _user(self) -> dict[str, Any]:
         value = getattr(django_settings, "EVENTS_LEDGER", None) or {}

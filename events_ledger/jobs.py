@@ -103,3 +103,24 @@ def reconcile_once(owner: str | None = None, force: bool = False) -> dict[str, A
         return {name: s.as_dict() for name, s in reconcile_all().items()}
     finally:
         _fresh_connection()
+
+
+def prune_once(
+    older_than: float | None = None, batch: int | None = None, archive: str | None = None
+) -> dict[str, Any]:
+    """#28: one prune of the history (``older_than`` in seconds, else ``RETENTION``),
+    beside the sweep; nothing when neither is set (history kept for ever)."""
+    from .retention import DEFAULT_BATCH, NoRetention, prune
+
+    _fresh_connection()
+    try:
+        report = prune(
+            older_than=None if older_than is None else timedelta(seconds=float(older_than)),
+            batch=int(batch or DEFAULT_BATCH),
+            archive=archive,
+        )
+    except NoRetention:
+        return {"kept_for_ever": True, "runs": 0}
+    finally:
+        _fresh_connection()
+    return report.as_dict()

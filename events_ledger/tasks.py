@@ -28,7 +28,7 @@ MISSING = (
     "events_ledger.tasks needs Django 6's django.tasks or the django-tasks backport: "
     "pip install 'django-events-ledger[tasks]'"
 )
-TASKS = ("step_task", "run_task", "sweep_task", "reconcile_task")
+TASKS = ("step_task", "run_task", "sweep_task", "reconcile_task", "prune_task")
 
 
 def _task_decorator() -> Any:
@@ -86,6 +86,14 @@ if task is not None:
     def reconcile_task(owner: str | None = None, force: bool = False) -> dict[str, Any]:
         """Reconcile one module, or every module with live rows (C6)."""
         return jobs.reconcile_once(owner, force)
+
+    @task()
+    def prune_task(
+        older_than: float | None = None, batch: int | None = None, archive: str | None = None
+    ) -> dict[str, Any]:
+        """Prune the history (#28): runs that ended ``older_than`` seconds ago (else
+        ``RETENTION``) and owe nothing; enqueue it daily, beside the sweep."""
+        return jobs.prune_once(older_than, batch, archive)
 
 else:
 

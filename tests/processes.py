@@ -264,6 +264,51 @@ def task_reserve_release(run_id: int, refs: list[str], seed: int, rounds: int) -
 TASKS.update({"cleanup_killed_at": task_cleanup_killed_at, "reserve_release": task_reserve_release})
 
 
+def task_prune_killed_at(
+    point: str, older_than_s: float, archive: str, batch: int
+) -> dict[str, Any]:
+    """#28: a prune that SIGKILLs itself at ``point``: ``while_writing`` (half of a batch's
+    archive member on disk), ``after_flush`` (the member fsynced, its delete not
+    committed), ``after_commit`` (the first batch committed)."""
+    from datetime import timedelta
+
+    from events_ledger import retention
+
+    on_batch = None
+    append = retention.Archive.append
+    if point == "while_writing":
+
+        def torn(self: Any, documents: Any) -> None:
+            write = os.write
+
+            def half(fd: int, data: Any) -> int:
+                write(fd, bytes(data)[: len(data) // 2])
+                os.fsync(fd)
+                _die()
+                return 0
+
+            os.write = half  # type: ignore[assignment]
+            append(self, documents)
+
+        retention.Archive.append = torn  # type: ignore[method-assign]
+    elif point == "after_flush":
+
+        def then_die(self: Any, documents: Any) -> None:
+            append(self, documents)
+            _die()
+
+        retention.Archive.append = then_die  # type: ignore[method-assign]
+    else:
+        on_batch = lambda runs: _die()  # noqa: E731
+    report = retention.prune(
+        older_than=timedelta(seconds=older_than_s), batch=batch, archive=archive, on_batch=on_batch
+    )
+    return report.as_dict()
+
+
+TASKS.update({"prune_killed_at": task_prune_killed_at})
+
+
 def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.child_settings")
     task, args = sys.argv[1], json.loads(sys.argv[2])

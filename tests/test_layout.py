@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the table's SQL", {"querysets"}),
     ("the table", {"models"}),
     ("around the table", {"signals", "inflight", "status", "fastpath"}),
-    ("services", {"ledger", "cleanup", "runner"}),
+    ("services", {"ledger", "cleanup", "runner", "retention"}),
     (
         "what services mean",
         {"diagnosis", "testing", "dashboard", "metrics", "health", "jobs"},
@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "management.commands.cleanup_runs",
             "management.commands.ledger_status",
             "management.commands.reconcile_resources",
+            "management.commands.prune_ledger",
         },
     ),
     ("start-up and the public face", {"apps", "__init__"}),
