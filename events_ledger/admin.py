@@ -30,7 +30,7 @@ from .dashboard import DATETIME_FORMAT, TIME_FORMAT, run_timeline, when
 from .diagnosis import claim_stamp, diagnose
 from .models import EventRun, EventRunResource
 from .querysets import EventRunQuerySet, EventRunResourceQuerySet
-from .states import UNRESOLVED, CleanupStatus, ResourceStatus, status_label
+from .states import STEP_KIND, UNRESOLVED, CleanupStatus, ResourceStatus, status_label
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise
@@ -325,7 +325,10 @@ class EventRunAdmin(LedgerAdmin):
             context.update(
                 steps=steps,
                 # #15: the same steps and rows, drawn on one time axis.
-                timeline=run_timeline(obj, steps, rows, total_rows=total),
+                # #25: "not drawn" counts what the run changed, not its @step placeholders.
+                timeline=run_timeline(
+                    obj, steps, rows, total_rows=Res.filter(run=obj).exclude(kind=STEP_KIND).count()
+                ),
                 ledger=[
                     (r, when(claim_stamp(r)) if r.status == ResourceStatus.REVERTING else "")
                     for r in rows

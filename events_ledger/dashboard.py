@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.utils import timezone
 from django.utils.formats import date_format
@@ -204,8 +204,9 @@ def run_timeline(
     def step_end(s: EventRunStep) -> tuple[datetime, bool]:
         done = s.status in (StepStatus.DONE, StepStatus.FAILED, StepStatus.REFUSED)
         if not done and ended and s.status == StepStatus.PENDING:
-            # Never ran: its run ended first (cancelled). Not open; a sliver at its creation.
-            return s.created_at, False
+            # Never ran: its run ended first (cancelled). Not open: grey, from its creation
+            # to its run's end, the wait that ended without it (#25).
+            return max(run.finished_at or s.created_at, s.created_at), False
         return (s.updated_at if done else edge), not done
 
     def row_end(r: EventRunResource) -> tuple[datetime, bool]:
@@ -231,13 +232,15 @@ def run_timeline(
         *(row_end(r)[0] for r in shown_rows),
     ]
     t0, t1 = min(starts), max(ends)
-    if t1 - t0 < timedelta(seconds=1):
-        t1 = t0 + timedelta(seconds=1)
-    # #25: ticks on round values (every 1, 2, 5, 10, 15, 30 s, 1, 2, 5, 10, 15, 30 min, …),
-    # the axis widened to the ticks around it.
+    # Half a second at least (ticks every 0.1 s): a run of a few milliseconds is still
+    # drawn on an axis a reader can count, and a run of a quarter second is not a sliver.
+    if t1 - t0 < timedelta(milliseconds=500):
+        t1 = t0 + timedelta(milliseconds=500)
+    # #25: ticks on round values (every 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30 s, 1, 2, 5 min,
+    # …), the axis widened to the ticks around it: a run of a second fills the axis.
     every = _tick_every((t1 - t0).total_seconds())
     t0 = _floor(t0, every)
-    t1 = _floor(t1, every) + (timedelta(seconds=every) if _floor(t1, every) < t1 else timedelta(0))
+    t1 = _floor(t1, every) + (every if _floor(t1, every) < t1 else timedelta(0))
     plot = width - left - right
     span = (t1 - t0).total_seconds()
 
@@ -278,14 +281,9 @@ def run_timeline(
             f"still {r.status}" if held else f"{r.status} {_when(end)}"
         )
         add("resource", f"{r.kind}:{r.ref}", row_status(r), r.created_at, end, held, title)
-    count = int(span // every)
-    ticks = [
-        (
-            x_of(t0 + timedelta(seconds=every * i)),
-            _when(t0 + timedelta(seconds=every * i), short=span < 86_400),
-        )
-        for i in range(count + 1)
-    ]
+    count = round(span / every.total_seconds())
+    tenths = every < timedelta(seconds=1)
+    ticks = [(x_of(t0 + every * i), _tick(t0 + every * i, span, tenths)) for i in range(count + 1)]
     marks = []
     if run.started_at:
         marks.append((x_of(run.started_at), "started"))
@@ -307,19 +305,35 @@ def run_timeline(
     )
 
 
-#: Tick spacings, seconds: round values a reader counts in.
-_TICKS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+#: Tick spacings, milliseconds: round values a reader counts in.
+_TICKS_MS = (
+    *(100, 200, 500),
+    *(1_000, 2_000, 5_000, 10_000, 15_000, 30_000),
+    *(60_000, 120_000, 300_000, 600_000, 900_000, 1_800_000),
+    *(3_600_000, 7_200_000, 10_800_000, 21_600_000, 43_200_000, 86_400_000),
+)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def _tick_every(span: float) -> int:
+def _tick_every(span: float) -> timedelta:
     """The smallest round spacing that gives at most 6 intervals over ``span`` seconds."""
-    return next((t for t in _TICKS if span / t <= 6), int(-(-span // 6 // 86400)) * 86400 or 86400)
+    ms = next((t for t in _TICKS_MS if span * 1000 / t <= 6), None)
+    if ms is None:  # more than 6 days: whole days
+        ms = int(-(-span // 6 // 86400) or 1) * 86_400_000
+    return timedelta(milliseconds=ms)
 
 
-def _floor(t: datetime, every: int) -> datetime:
-    """``t`` down to a multiple of ``every`` seconds (in UTC, microseconds dropped)."""
-    stamp = int(t.timestamp())
-    return datetime.fromtimestamp(stamp - stamp % every, tz=t.tzinfo)
+def _floor(t: datetime, every: timedelta) -> datetime:
+    """``t`` down to a multiple of ``every`` (counted from the epoch, in UTC)."""
+    return t - (t - _EPOCH) % every
+
+
+def _tick(t: datetime, span: float, tenths: bool) -> str:
+    """A tick's label: the time of day under a day (with tenths when the ticks are less
+    than a second apart), the date and time beyond."""
+    if not tenths:
+        return _when(t, short=span < 86_400)
+    return f"{_when(t, short=True)}.{timezone.localtime(t).microsecond // 100_000}"
 
 
 def when(t: datetime | None, fmt: str = DATETIME_FORMAT) -> str:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
+from django.utils import timezone
 
 from events_ledger.ledger import execute_step
 from events_ledger.models import EventRun, EventRunResource, EventRunStep
@@ -237,6 +239,176 @@ def test_operator_reads_the_dashboard_and_a_timeline_in_light_and_dark(
                 page.locator("#el-timeline").screenshot(
                     path=str(ARTIFACTS / f"run-timeline-{scheme}.png")
                 )
+                page.close()
+        finally:
+            browser.close()
+
+
+def _seconds_of_day(t: datetime | str) -> float:
+    """A moment, or a tick's label ("10:20:37" or "10:20:37.4"), as seconds of its day."""
+    if isinstance(t, datetime):
+        return t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6
+    h, m, sec = t.split(":")
+    return int(h) * 3600 + int(m) * 60 + float(sec)
+
+
+def _timeline_runs() -> dict[str, tuple[EventRun, datetime]]:
+    """#25: three runs an hour old, each with what its timeline must draw well: (a) one
+    that lasted about a second, its @step placeholders beside its rows; (b) one cancelled
+    before its second step ran; (c) one whose cleanup gave up. Each with the moment of its
+    last event, where its axis must end (not now, an hour later)."""
+    from tests.factories import ResourceFactory, RunFactory, StepFactory
+
+    t0 = (timezone.now() - timedelta(hours=1)).replace(microsecond=200_000)
+    if _seconds_of_day(timezone.localtime(t0)) > 86_390:  # the axes stay in one day
+        t0 -= timedelta(minutes=1)
+
+    def at(ms: int) -> datetime:
+        return t0 + timedelta(milliseconds=ms)
+
+    def run(name: str, status: str, cleanup: str, end: int) -> EventRun:
+        return RunFactory(
+            name=name,
+            status=status,
+            cleanup_status=cleanup,
+            created_at=at(0),
+            started_at=at(20),
+            finished_at=at(end),
+            updated_at=at(end),
+        )
+
+    def step(r: EventRun, seq: int, status: str, start: int, end: int, action: str = "world.spawn"):
+        return StepFactory(
+            run=r,
+            seq=seq,
+            action_id=action,
+            status=status,
+            attempts=int(status != "pending"),
+            created_at=at(start),
+            updated_at=at(end),
+        )
+
+    def row(r: EventRun, s, ref: str, status: str, start: int, end: int, **kw):
+        return ResourceFactory(
+            run=r,
+            step=s,
+            kind=kw.pop("kind", "creature"),
+            ref=ref,
+            owner_module="world",
+            status=status,
+            created_at=at(start),
+            updated_at=at(end),
+            **kw,
+        )
+
+    # (a) About a second: two steps, their placeholders (@step, resolved), four creatures
+    # given back within the second.
+    quick = run("Quick raid", "completed", "complete", 1_000)
+    for seq in range(2):
+        s = step(quick, seq, "done", 40 + 450 * seq, 420 + 450 * seq)
+        row(quick, s, f"{s.idempotency_key}", "reverted", 40 + 450 * seq, 900, kind="@step")
+        for i in range(2):
+            row(quick, s, f"wolf-{seq}{i}", "reverted", 60 + 450 * seq + 100 * i, 950 + 20 * i)
+    # (b) Cancelled after its first step: the second never ran; everything given back.
+    cancelled = run("Boar hunt", "cancelled", "complete", 2_500)
+    s = step(cancelled, 0, "done", 40, 1_800)
+    row(cancelled, s, "boar-1", "reverted", 300, 2_900)
+    row(cancelled, s, "boar-2", "reverted", 900, 3_100)
+    step(cancelled, 1, "pending", 50, 50, action="world.feast")
+    # (c) Incomplete: the sweep gave up on two rows; one was given back.
+    stuck = run("Wolf night", "completed", "incomplete", 3_000)
+    s = step(stuck, 0, "done", 40, 2_000)
+    row(stuck, s, "wolf-a", "reverted", 500, 4_000)
+    for ref in ("wolf-b", "wolf-c"):
+        row(stuck, s, ref, "confirmed", 800, 6_000, revert_attempts=3, last_error="region locked")
+    return {
+        "one-second": (quick, at(1_000)),
+        "cancelled": (cancelled, at(3_100)),
+        "incomplete": (stuck, at(6_000)),
+    }
+
+
+def test_timelines_of_a_short_a_cancelled_and_an_incomplete_run_read_well(
+    live_server, django_user_model
+):  # #25: the console seen in Chromium, light and dark
+    sync_playwright = sync_playwright_or_skip()
+    runs = _timeline_runs()
+    django_user_model.objects.create_superuser("operator", "operator@example.com", "pw-operator")
+    ARTIFACTS.mkdir(exist_ok=True)
+    # Each run's last event, as seconds of the local day: where its axis must end.
+    ends = {name: _seconds_of_day(timezone.localtime(last)) for name, (_, last) in runs.items()}
+
+    # No ORM inside this block (Playwright's sync API runs an event loop in this thread).
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            for scheme in ("light", "dark"):
+                page = logged_in(browser, live_server.url, "/admin/", scheme)
+                for name, (run, _) in runs.items():
+                    page.goto(f"{live_server.url}/admin/events_ledger/eventrun/{run.pk}/change/")
+                    page.locator("#el-timeline svg").wait_for()
+                    lanes = page.eval_on_selector_all(
+                        "#el-timeline g.el-lane",
+                        """gs => gs.map(g => {
+                            const r = g.querySelector('rect');
+                            return {
+                              label: g.querySelector('text').textContent,
+                              status: g.dataset.status,
+                              open: r.classList.contains('el-open'),
+                              x: r.getBBox().x, width: r.getBBox().width,
+                              fill: getComputedStyle(r).fill,
+                            };
+                        })""",
+                    )
+                    ticks = page.eval_on_selector_all(
+                        "#el-timeline .el-chart-tick", "ts => ts.map(t => t.textContent)"
+                    )
+                    plot = (
+                        page.eval_on_selector("#el-timeline svg", "s => s.viewBox.baseVal.width")
+                        - 230
+                        - 16
+                    )
+                    # No @step placeholder rows, no hash labels: what the run changed.
+                    assert not [x for x in lanes if "@step" in x["label"]], lanes
+                    # The axis ends at the run's last event, not at now (an hour later).
+                    # Its last tick is the first round value at or after that event.
+                    marks = [_seconds_of_day(t) for t in ticks]
+                    spacing = marks[-1] - marks[-2]
+                    assert marks[-1] - spacing < ends[name] <= marks[-1], (name, ticks)
+                    assert spacing <= 1 if name == "one-second" else spacing == 1, ticks
+                    # A finished run draws nothing as still open; stuck rows are red.
+                    if name == "one-second":
+                        assert [x["label"] for x in lanes] == [
+                            "#0 · world.spawn",
+                            "#1 · world.spawn",
+                            *[f"creature:wolf-{i}" for i in ("00", "01", "10", "11")],
+                        ]
+                        # Read, not slivers: the second the run lasted fills most of the axis.
+                        left = min(x["x"] for x in lanes)
+                        right = max(x["x"] + x["width"] for x in lanes)
+                        assert right - left > plot * 0.75, (left, right, plot)
+                        assert not [x for x in lanes if x["open"]]
+                    elif name == "cancelled":
+                        never = lanes[1]
+                        assert never["label"] == "#1 · world.feast"
+                        assert never["status"] == "cancelled" and not never["open"]
+                        assert never["fill"] == "rgb(138, 138, 138)"  # grey, not held
+                        # From its creation to its run's end (the mark), not open to now.
+                        finish = page.eval_on_selector_all(
+                            "#el-timeline line.el-mark", "ls => ls.map(l => l.x1.baseVal.value)"
+                        )[-1]
+                        assert abs(never["x"] + never["width"] - finish) < 1, (never, finish)
+                        assert not [x for x in lanes if x["open"]]
+                    else:
+                        stuck = [x for x in lanes if x["status"] == "stuck"]
+                        assert [x["label"] for x in stuck] == ["creature:wolf-b", "creature:wolf-c"]
+                        assert {x["fill"] for x in stuck} == {"rgb(214, 69, 69)"}  # red
+                        assert "creature:wolf-a" in [
+                            x["label"] for x in lanes if x["status"] == "reverted"
+                        ]
+                    page.locator("#el-timeline").screenshot(
+                        path=str(ARTIFACTS / f"timeline-{name}-{scheme}.png")
+                    )
                 page.close()
         finally:
             browser.close()

@@ -961,11 +961,13 @@ def test_a_one_second_run_s_timeline_is_readable():  # #25: the run timeline
     assert never_lane.status == "cancelled" and not never_lane.open  # never ran: not "open"
     assert "never ran (the run was cancelled)" in never_lane.title
     assert row_lane.status == "stuck"  # red, not the amber of a row simply held
-    # The axis is the run's second, not three hours to now: ticks every 1 s, round.
+    # The axis is the run's second, not three hours to now: at most 6 intervals, on round
+    # tenths of a second (#25: a second fills the axis, not half of it).
     xs = [x for x, _ in t.ticks]
-    assert len(t.ticks) in (2, 3) and xs[0] == t.left and xs[-1] == t.width - t.right
-    seconds = [label.rsplit(":", 1)[1] for _, label in t.ticks]
-    assert [int(s) for s in seconds] == sorted(
-        {(int(seconds[0]) + i) % 60 for i in range(len(seconds))}
-    )
-    assert row_lane.width > 100  # the held row spans the run's second, readable
+    assert 3 <= len(t.ticks) <= 7 and xs[0] == t.left and xs[-1] == t.width - t.right
+    tenths = [round(float(label.rsplit(":", 1)[1]) * 10) for _, label in t.ticks]
+    steps = {(b - a) % 600 for a, b in zip(tenths, tenths[1:], strict=False)}
+    assert len(steps) == 1 and steps <= {1, 2, 5} and tenths[0] % min(steps) == 0
+    assert row_lane.width > 300  # the held row spans the run's second, readable
+    # The step that never ran: grey from its creation to the run's end, where it was cut.
+    assert never_lane.x + never_lane.width == t.marks[-1][0]
