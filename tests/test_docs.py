@@ -466,7 +466,8 @@ class PageRun:
         self.ns: dict[str, Any] = {"__name__": f"docs.{Path(page).stem}"}
         self.fragments: list[Block] = []
         #: The page's settings.py, fragment after fragment (see settings_fragment).
-        self.settings_ns: dict[str, Any] = {"__name__": "settings"}
+        # What startproject's settings.py defines above the fragments pasted at its end.
+        self.settings_ns: dict[str, Any] = {"__name__": "settings", "BASE_DIR": self.host}
         if page != SETTINGS_PAGE:
             self.settings_ns["EVENTS_LEDGER"] = {}
         self.files: dict[str, str] = {}

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import tomllib
 from pathlib import Path
 
@@ -177,3 +179,225 @@ def test_the_version_is_written_once():  # one number (#13)
     dynamic = project["tool"]["setuptools"]["dynamic"]["version"]
     assert dynamic == {"attr": "events_ledger.__version__"}
     assert re.fullmatch(r"\d+\.\d+\.\d+", events_ledger.__version__)
+
+
+# ── #25: a fresh project from the docs alone, with the built wheel, to a Celery run ──
+
+DOCS = ROOT / "docs"
+#: The pages (and their sections) an adopter follows to a Celery run, metrics and health.
+ADOPTER_PATH = [
+    ("quickstart.md", None),
+    ("running-at-scale.md", "Celery"),
+    ("monitoring.md", "Metrics for Prometheus"),
+    ("monitoring.md", "A health check"),
+]
+#: The docs' own broker and project names, and what this project has instead.
+DOCS_BROKER = "redis://127.0.0.1:6379/0"
+SEND_A_RUN = """
+import time
+from functools import partial
+
+from django.db import transaction
+
+from events_ledger.celery import run_task
+from events_ledger.models import EventRun, EventRunStep
+
+# As running-at-scale.md says: enqueued once the run is committed.
+with transaction.atomic():
+    run = EventRun.objects.create(name="spring festival")
+    EventRunStep.objects.create(run=run, action_id="banners.post", params={"text": "Spring!"})
+    transaction.on_commit(partial(run_task.delay, run.pk))
+deadline = time.monotonic() + 40
+while run.status not in EventRun.TERMINAL and time.monotonic() < deadline:
+    time.sleep(0.1)
+    run.refresh_from_db()
+print("RUN", run.pk, run.status)
+"""
+
+
+def doc_files(page: str, section: str | None) -> list[tuple[str, str]]:
+    """(file=, source) of a page's ``python file=`` blocks, in order; only those under
+    its ``## section`` when one is named."""
+    text = (DOCS / page).read_text()
+    if section is not None:
+        text = text.partition(f"\n## {section}\n")[2].partition("\n## ")[0]
+        assert text, f"docs/{page} has no section {section!r}"
+    return re.findall(r"^```python file=(\S+)\n(.*?)^```", text, re.M | re.S)
+
+
+def redis_url_or_skip() -> str:
+    url = os.environ.get("REDIS_URL", "")
+    if not url:
+        if os.environ.get("LEDGER_REQUIRE_REDIS") == "1":
+            pytest.fail("LEDGER_REQUIRE_REDIS=1 but REDIS_URL is not set (scripts/rig/redis up)")
+        pytest.skip("needs Redis: REDIS_URL (scripts/rig/redis up)")
+    # A database of the server of its own: the suite's other Celery workers never take
+    # this project's messages, nor this worker theirs.
+    from urllib.parse import urlsplit
+
+    return urlsplit(url)._replace(path="/11").geturl()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_new_project_follows_the_docs_to_a_celery_run_a_sweep_metrics_and_health(tmp_path):
+    # #25: "a fresh Django project following only the docs reaches a Celery run, a sweep,
+    # metrics and health with no step the docs leave out", with the built wheel.
+    if connection.vendor != "sqlite":
+        pytest.skip("proved once per Django line, on a new project's own SQLite database")
+    broker = redis_url_or_skip()
+    import sysconfig
+    import urllib.error
+    import urllib.request
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "DJANGO_SETTINGS_MODULE", "DATABASE_URL")
+    }
+    # quickstart.md, "Install": the wheel built once into a directory of one's own.
+    wheels = tmp_path / "wheels"
+    sh(
+        sys.executable,
+        "-m",
+        "build",
+        "--wheel",
+        "--outdir",
+        str(wheels),
+        str(ROOT),
+        cwd=tmp_path,
+        env=env,
+    )
+    # A new environment that sees this one's packages (Django, Celery, the extras), but
+    # not the checkout: the app comes from the wheel, found by its name with --find-links.
+    venv = tmp_path / "venv"
+    sh(sys.executable, "-m", "venv", str(venv), cwd=tmp_path, env=env)
+    py = str(venv / "bin" / "python")
+    purelib = sh(
+        py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path, env=env
+    ).stdout.strip()
+    (Path(purelib) / "host-packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    pip = [
+        py,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        "--no-index",
+        "--no-deps",
+    ]
+    sh(*pip, "--find-links", str(wheels), "django-events-ledger", cwd=tmp_path, env=env)
+    sh(py, "-m", "django", "startproject", "proj", cwd=tmp_path, env=env)
+    host = tmp_path / "proj"
+
+    # The pages' files, pasted as a reader pastes them: settings fragments at the end of
+    # settings.py ("..." in a list is what the list held), the rest as files. The docs
+    # call the project's package mysite on one page and proj on another: one package here.
+    settings = host / "proj" / "settings.py"
+    written: dict[str, str] = {}
+    for page, section in ADOPTER_PATH:
+        for name, source in doc_files(page, section):
+            if name == "settings.py":
+                source = re.sub(r"^(\s*)\.\.\.,.*$", r"\1*INSTALLED_APPS,", source, flags=re.M)
+                source = source.replace(DOCS_BROKER, broker)  # the reader's own broker
+                settings.write_text(settings.read_text() + "\n" + source)
+                continue
+            name = name.replace("mysite/", "proj/")
+            written[name] = source if name not in written else written[name] + "\n" + source
+            path = host / name
+            path.parent.mkdir(exist_ok=True)
+            (path.parent / "__init__.py").touch()
+            path.write_text(written[name])
+    assert set(written) == {
+        "banners/event_actions.py",
+        "proj/celery.py",
+        "proj/__init__.py",
+        "proj/urls.py",
+    }
+    # A reader merging the pages' lists lists an app once.
+    settings.write_text(
+        settings.read_text() + "\nINSTALLED_APPS = list(dict.fromkeys(INSTALLED_APPS))\n"
+    )
+
+    token = "a-token-of-sixteen-or-more"
+    env = {**env, "LEDGER_METRICS_TOKEN": token}
+    manage = [py, "manage.py"]
+    sh(*manage, "migrate", "-v0", cwd=host, env=env)
+    sh(*manage, "check", "--fail-level", "WARNING", cwd=host, env=env)
+    where = sh(py, "-c", "import events_ledger; print(events_ledger.__file__)", cwd=host, env=env)
+    assert str(venv) in where.stdout and str(ROOT) not in where.stdout  # the wheel's
+
+    started: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            list(args),
+            cwd=host,
+            env=env,
+            text=True,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        started.append(proc)
+        return proc
+
+    try:
+        # running-at-scale.md: "celery -A proj worker", one process is enough here.
+        worker = start(
+            py, "-m", "celery", "-A", "proj", "worker", "--concurrency", "1", "-l", "warning"
+        )
+        out = sh(*manage, "shell", "-c", SEND_A_RUN, cwd=host, env=env).stdout
+        run_id, status = out.split("RUN", 1)[1].split()
+        assert status == "completed", out
+        banners = host / "media" / "banners"  # quickstart.md's MEDIA_ROOT
+        assert len(list(banners.iterdir())) == 1  # the banner is up
+        # quickstart.md, "Give it back": the sweep.
+        swept = sh(*manage, "cleanup_runs", cwd=host, env=env).stdout
+        assert f"run {run_id}: attempted 1, reverted 1" in swept and "-> complete" in swept
+        assert list(banners.iterdir()) == []
+
+        # monitoring.md: /metrics with the bearer token, /health/ to anyone.
+        port = free_port()
+        server = start(*manage, "runserver", f"127.0.0.1:{port}", "--noreload")
+        base = f"http://127.0.0.1:{port}"
+
+        def get(path: str, **headers: str) -> tuple[int, str]:
+            request = urllib.request.Request(base + path, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    return response.status, response.read().decode()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read().decode()
+
+        deadline = time.monotonic() + 30
+        while True:  # until the server answers (it prints nothing we could wait on)
+            try:
+                get("/health/", Accept="application/json")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert server.poll() is None, server.stdout.read() if server.stdout else ""
+                assert time.monotonic() < deadline, "runserver never answered"
+                time.sleep(0.1)
+        code, health = get("/health/", Accept="application/json")
+        assert code == 200 and "LedgerHealthCheck" in health, health
+        code, text = get("/metrics", Authorization=f"Bearer {token}")
+        assert code == 200 and "events_ledger_healthy 1.0" in text, text
+        assert get("/metrics")[0] == 401  # no token, no session: asked to authenticate
+        assert worker.poll() is None  # the worker ran the run and is still up
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
