@@ -309,6 +309,69 @@ def task_prune_killed_at(
 TASKS.update({"prune_killed_at": task_prune_killed_at})
 
 
+def _longest_statement() -> tuple[Any, list[float]]:
+    """An execute wrapper keeping the longest statement this connection waited for: a
+    lock another process held shows up here (#28's figure)."""
+    import time
+
+    longest = [0.0]
+
+    def timed(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        began = time.monotonic()
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            longest[0] = max(longest[0], time.monotonic() - began)
+
+    return timed, longest
+
+
+def task_live_steps(stop: str, region: str) -> dict[str, Any]:
+    """#28: a step worker on live runs until ``stop`` exists: a run spawns a creature in
+    the demo world and is cancelled, for the sweepers to give back."""
+    from tests.helpers import finished_run
+
+    timed, longest = _longest_statement()
+    runs: list[int] = []
+    errors: list[str] = []
+    with connection.execute_wrapper(timed):
+        while not os.path.exists(stop):
+            try:
+                runs.append(finished_run(1, name="live", region=region).pk)
+            except Exception as exc:  # the test asserts none escapes
+                errors.append(f"{type(exc).__name__}: {exc}")
+    return {"runs": runs, "errors": errors, "longest_s": longest[0]}
+
+
+def task_sweep_live(stop: str) -> dict[str, Any]:
+    """#28: a sweeper passing over and over until ``stop`` exists."""
+    import time
+
+    from events_ledger.cleanup import sweep
+
+    timed, longest = _longest_statement()
+    passes = worked = 0
+    longest_pass = 0.0
+    with connection.execute_wrapper(timed):
+        while not os.path.exists(stop):
+            began = time.monotonic()
+            report = sweep()
+            longest_pass = max(longest_pass, time.monotonic() - began)
+            passes += 1
+            worked += len(report.runs)
+            if not report.runs:
+                time.sleep(0.05)  # an idle sweeper, as a cron's interval
+    return {
+        "passes": passes,
+        "worked": worked,
+        "longest_s": longest[0],
+        "longest_pass_s": longest_pass,
+    }
+
+
+TASKS.update({"live_steps": task_live_steps, "sweep_live": task_sweep_live})
+
+
 def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.child_settings")
     task, args = sys.argv[1], json.loads(sys.argv[2])

@@ -445,3 +445,87 @@ def test_the_cron_loop_survives_the_database_server_restarting(
     assert alive, err[-2000:]
     assert all_given_back(runs)
     assert took < ttl_s, "the failed pass's claims were not handed back"
+
+
+# ── #28: pruning the history beside the live ledger ──
+
+
+def test_prune_beside_eight_sweepers_and_four_step_workers(world, vendor, figure, tmp_path):  # #28
+    import json as _json
+
+    from events_ledger.retention import read_archive
+    from tests.helpers import revert_ttl
+    from tests.processes import spawn
+    from tests.test_retention import fill_history
+
+    historical = size(3_000, 100_000)
+    fill_history(historical)
+    stop, archive = tmp_path / "stop", tmp_path / "ledger.jsonl.gz"
+    sweepers = [start("sweep_live", {"stop": str(stop)}) for _ in range(8)]
+    workers = [start("live_steps", {"stop": str(stop), "region": f"live{i}"}) for i in range(4)]
+    # The live runs settle within seconds: with a 2 s retention the prune meets them too.
+    pruner = spawn(
+        "manage",
+        "prune_ledger",
+        "--older-than",
+        "2",
+        "--json",
+        "--archive",
+        str(archive),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        out, err = pruner.communicate(timeout=3600)
+    finally:
+        stop.touch()
+    results = [finish(p, timeout=PATIENCE_S) for p in sweepers + workers]
+    assert pruner.returncode == 0, err
+    report = _json.loads(out)
+    swept, stepped = results[:8], results[8:]
+    crashes = [r for r in results if not r or "crash" in r]
+    errors = [e for r in stepped for e in r.get("errors", [])]
+    live = [pk for r in stepped for pk in r.get("runs", [])]
+    while sweep().runs:  # what the sweepers left when they stopped
+        pass
+    archived = Counter(d["run"]["id"] for d in read_archive(archive))
+    pruned_live = set(live) - set(EventRun.objects.filter(pk__in=live).values_list("pk", flat=True))
+    kept_live = EventRun.objects.filter(pk__in=live)
+    # Every live run given back: the world empty, nothing unresolved, every summary complete.
+    given_back = (
+        Creature.objects.count() == 0
+        and not Res.filter(run__in=kept_live).unresolved().exists()
+        and set(kept_live.values_list("cleanup_status", flat=True)) <= {"complete"}
+    )
+    rate = report["runs"] / report["seconds"]
+    wait_ms = 1000 * max(r.get("longest_s", 0) for r in results)
+    holds = (
+        not crashes
+        and not errors
+        and report["runs"] >= historical
+        and not EventRun.objects.filter(name__startswith="bulk-").exists()
+        and set(archived.values()) == {1}
+        and pruned_live <= set(archived)
+        and given_back
+    )
+    figure(
+        f"{report['runs']} runs pruned at {rate:.0f} runs/s beside 8 sweepers and 4 step "
+        f"workers ({len(live)} live runs, {sum(r['worked'] for r in swept)} swept); longest "
+        f"statement a live worker waited {wait_ms:.0f} ms",
+        holds,
+        batches=report["batches"],
+        longest_batch_s=report["longest_batch_s"],
+        longest_pass_s=max(r["longest_pass_s"] for r in swept),
+    )
+    assert not crashes, crashes
+    assert not errors, errors[:5]
+    assert report["runs"] >= historical
+    assert not EventRun.objects.filter(name__startswith="bulk-").exists()
+    assert set(archived.values()) == {1}, "a run archived twice"
+    # Live runs went only once settled, and went through the archive like the history.
+    assert pruned_live <= set(archived)
+    assert given_back, (
+        Creature.objects.count(),
+        Counter(kept_live.values_list("status", "cleanup_status")),
+    )
+    assert max(r["longest_pass_s"] for r in swept) < revert_ttl().total_seconds()
