@@ -18,6 +18,7 @@ from django.utils.translation import gettext as _
 
 from .conf import ledger_settings
 from .models import EventRun, EventRunResource, EventRunStep
+from .retention import HistorySize, history_size
 from .states import HELD, STEP_KIND, UNRESOLVED, CleanupStatus, StepStatus
 from .status import LedgerStatus, ModuleRows, duration
 
@@ -109,6 +110,9 @@ class Overview:
     oldest: list[tuple[EventRunResource, str]]  # (row, age)
     running: list[tuple[EventRunStep, str]]  # (step, running for)
     max_age: str  # HEALTH_MAX_UNRESOLVED_AGE, as an operator reads it
+    # #28: the history's size (runs, rows) and how old the oldest run kept is.
+    history: HistorySize | None = None
+    oldest_run: str = ""
 
 
 def overview(status: LedgerStatus) -> Overview:
@@ -135,6 +139,8 @@ def overview(status: LedgerStatus) -> Overview:
         oldest=[(r, duration(status.age(r.created_at))) for r in status.oldest_rows],
         running=[(s, duration(status.age(s.updated_at))) for s in status.running_steps],
         max_age=duration(status.max_age.total_seconds()),
+        history=(history := history_size()),
+        oldest_run=duration(status.age(history.oldest_run_at)) if history.oldest_run_at else "",
     )
 
 

@@ -187,6 +187,51 @@ class LedgerCollector:
         ]
 
 
+class HistoryCollector:
+    """#28: the history's size, a collector of its own beside ``LedgerCollector`` (whose
+    scrape reads no history, #25): rows kept by table, counted below
+    ``retention.EXACT_BELOW`` and estimated from the database's statistics above, and the
+    oldest run's age. A few reads of indexes and statistics, never a table's scan."""
+
+    def __init__(self) -> None:
+        prometheus()
+
+    def describe(self) -> Iterator[Any]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Any]:
+        from django.utils import timezone
+
+        from .retention import history_size
+
+        rows, oldest = families = self._families()
+        history = history_size()
+        for table, n in history.tables().items():
+            rows.add_metric([table], n)
+        if history.oldest_run_at is not None:
+            age = (timezone.now() - history.oldest_run_at).total_seconds()
+            oldest.add_metric([], max(age, 0.0))
+        yield from families
+
+    def _families(self) -> list[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        return [
+            GaugeMetricFamily(
+                f"{PREFIX}_history_rows",
+                "Rows the ledger keeps, finished or not, by table (runs, steps, resources, "
+                "log): counted below 10,000, the database's estimate above. prune_ledger "
+                "works it down.",
+                labels=["table"],
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_oldest_run_age_seconds",
+                "Age of the oldest run kept, finished or not: about RETENTION plus the "
+                "interval between prunes while pruning keeps up.",
+            ),
+        ]
+
+
 #: Cleanup statuses of a finished run that owes nothing: history, never counted (#25).
 _HISTORY = ("complete", "not_required")
 
@@ -330,6 +375,7 @@ def exposition_registry() -> Any:
     pc = prometheus()
     registry = pc.CollectorRegistry(auto_describe=False)
     registry.register(LedgerCollector())
+    registry.register(HistoryCollector())  # #28
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 

@@ -155,13 +155,11 @@ class History:
 
     def rows(self, model: Any) -> tuple[int, bool]:
         """How many rows ``model``'s table holds, and whether that is exact: counted
-        (at most ``EXACT_BELOW`` index entries read) when the table is small, else the
-        database's own estimate (InnoDB's statistics, PostgreSQL's ``reltuples``,
-        SQLite's ``sqlite_stat1``)."""
+        when it holds fewer than ``EXACT_BELOW`` (a read of at most that many entries of
+        its smallest index, bounded by its LIMIT), else the database's own estimate
+        (InnoDB's statistics, PostgreSQL's ``reltuples``, SQLite's ``sqlite_stat1``).
+        Counted first: statistics go stale after a big prune, a bounded count does not."""
         table = model._meta.db_table
-        estimate = self._estimate(table)
-        if estimate is not None and estimate >= EXACT_BELOW:
-            return estimate, False
         with connections[self.using].cursor() as cursor:
             cursor.execute(
                 f"SELECT COUNT(*) FROM (SELECT 1 FROM {table} LIMIT %s) AS t", [EXACT_BELOW]
@@ -169,7 +167,7 @@ class History:
             (counted,) = cursor.fetchone()
         if counted < EXACT_BELOW:
             return counted, True
-        return max(counted, estimate or 0), False
+        return max(counted, self._estimate(table) or 0), False
 
     def _estimate(self, table: str) -> int | None:
         conn = connections[self.using]
