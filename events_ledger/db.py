@@ -264,6 +264,11 @@ def driver_code(exc: BaseException) -> Any:
     return args[0] if args else None
 
 
+def sqlstate(exc: BaseException) -> str | None:
+    """PostgreSQL's SQLSTATE of the error, or None."""
+    return getattr(_driver_error(exc), "sqlstate", None)
+
+
 def drop_if_dead(exc: BaseException, using: str = "default") -> bool:
     """Close the connection when ``exc`` says it is dead (or it no longer answers), so
     the next statement reconnects instead of failing on it for ever ("gone away" on

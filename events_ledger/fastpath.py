@@ -1,12 +1,14 @@
-"""The fast path: on MariaDB, each of a small step's two transactions in one round trip.
+"""The fast path: each of a small step's two transactions in one round trip.
 
 An optimisation of ``ledger``'s general path, which stays the truth. A step's first
 transaction (the run's dirty mark, the claim, the placeholder, the step read back) and
 its second (the outcome, the rows, the placeholder resolved) each take seven round trips
-through ``atomic``; sent as one compound statement (``BEGIN NOT ATOMIC … END``) each is
-one. The server decides every branch on the counts of the statement before, and a block
-commits only in the common case: anything else rolls back whole and the general path
-does the work again, from what the database says, as if this had not been tried.
+through ``atomic``; sent as one statement each is one. On MariaDB that statement is a
+compound statement (``BEGIN NOT ATOMIC … END``) whose every branch the server decides on
+the counts of the statement before; on PostgreSQL (#27) it is one statement of
+data-modifying CTEs, which autocommit makes one transaction. A block commits only in the
+common case: anything else rolls back whole and the general path does the work again,
+from what the database says, as if this had not been tried.
 
 The fence, after the fault review of #24:
 
@@ -19,9 +21,10 @@ The fence, after the fault review of #24:
 - a block is never retried statement by statement (``db.unretried``): after a lock
   wait, a retried block's ``START TRANSACTION`` would commit the half that ran.
 
-Off with ``EVENTS_LEDGER["FAST_PATH"] = False``; elsewhere than on MariaDB through
-mysqlclient (MySQL has no compound statement outside a stored program) every step goes
-the general way. Nothing is prepared on the server: a prepared block is session state,
+Off with ``EVENTS_LEDGER["FAST_PATH"] = False``. Only MariaDB through mysqlclient and
+PostgreSQL through psycopg take it: MySQL has no compound statement outside a stored
+program (and no MySQL server runs in the tests to prove another form), and SQLite is
+one file on the same machine, where a round trip costs next to nothing. Nothing is prepared on the server: a prepared block is session state,
 which poolers pin and ``CONN_MAX_AGE=0`` prepares again on every connection.
 """
 
@@ -36,7 +39,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router
 
 from .conf import ledger_settings
-from .db import Answer, Statement, driver_code, drop_if_dead, unretried
+from .db import Answer, Statement, driver_code, drop_if_dead, sqlstate, unretried
 from .models import EventRun, EventRunResource, EventRunStep
 from .states import StepStatus
 
@@ -45,6 +48,9 @@ logger = logging.getLogger("events_ledger")
 #: The error a finishing block raises when it rolled itself back (a user-defined error
 #: number, in the range MariaDB leaves to applications).
 NOT_AS_EXPECTED = 45_901
+#: PostgreSQL's finishing statement fails on purpose (a division by zero, SQLSTATE
+#: 22012) when its counts are not the common case's: the whole statement is rolled back.
+NOT_AS_EXPECTED_STATE = "22012"
 
 
 class NotAsExpected(Exception):
@@ -57,19 +63,29 @@ def enabled(using: str = DEFAULT_DB_ALIAS) -> bool:
         return False
     conn = connections[using]
     return (
-        conn.vendor == "mysql"
-        # mysqlclient itself (its result sets are read one by one below).
-        and getattr(getattr(conn, "Database", None), "__name__", "") == "MySQLdb"
+        _speaks(conn)
         # A transaction Django opened, or a caller's autocommit off: its boundaries are
-        # the caller's, and a block's START TRANSACTION would commit the caller's work.
+        # the caller's (a block's START TRANSACTION would commit the caller's work, and
+        # PostgreSQL's one statement would become part of the caller's transaction).
         and not conn.in_atomic_block
         and conn.get_autocommit()
-        and bool(getattr(conn, "mysql_is_mariadb", False))
         # The ledger's three tables written through this one connection.
         and all(
             router.db_for_write(model) == using
             for model in (EventRun, EventRunStep, EventRunResource)
         )
+    )
+
+
+def _speaks(conn: Any) -> bool:
+    """MariaDB through mysqlclient itself (its result sets are read one by one), or
+    PostgreSQL."""
+    if conn.vendor == "postgresql":
+        return True
+    return (
+        conn.vendor == "mysql"
+        and getattr(getattr(conn, "Database", None), "__name__", "") == "MySQLdb"
+        and bool(getattr(conn, "mysql_is_mariadb", False))
     )
 
 
@@ -96,8 +112,12 @@ def _send(block: Statement, using: str = DEFAULT_DB_ALIAS) -> list[Answer]:
                         break
             return answers
     except DatabaseError as exc:
-        if driver_code(exc) == NOT_AS_EXPECTED:
-            raise NotAsExpected from exc  # the block sent ROLLBACK itself
+        if driver_code(exc) == NOT_AS_EXPECTED or sqlstate(exc) == NOT_AS_EXPECTED_STATE:
+            # Rolled back whole: MariaDB's block sent ROLLBACK itself, and PostgreSQL's
+            # one statement is its own transaction in autocommit.
+            if conn.vendor == "postgresql":
+                _end_transaction(conn, exc)  # the session says so too, for psycopg
+            raise NotAsExpected from exc
         _end_transaction(conn, exc)
         raise
     except BaseException as exc:
@@ -149,6 +169,8 @@ def claim(
     claim the database holds is answered as won."""
     steps = EventRunStep.objects
     token = steps.new_claim_token()
+    if connections[DEFAULT_DB_ALIAS].vendor == "postgresql":
+        return _claim_in_one_statement(step, token, ttl, by, max_attempts, owner, payload)
     runs = EventRun.objects.all()
     live_sql, live_params = runs.live_statement(step.run_id)
     parts: list[Statement] = [
@@ -179,6 +201,50 @@ def claim(
         return None
     attempts, params, inserted, new_id = steps.claimed_in_block(read.rows)
     placeholder = int(new_id) if inserted == 1 and new_id else None
+    return Claimed(steps.claimed_step(step, token, attempts, params), token, placeholder)
+
+
+def _claim_in_one_statement(
+    step: Any,
+    token: str,
+    ttl: timedelta,
+    by: str,
+    max_attempts: int,
+    owner: str,
+    payload: Mapping[str, Any],
+) -> Claimed | None:
+    """``claim`` on PostgreSQL: one statement, so one transaction in autocommit. The
+    run's mark and the claim are CTEs (each runs to completion, read or not); the claim
+    tests the run's status itself; the placeholder goes in once for each row the claim
+    returned (none when it was lost), skipping a target already held; the statement
+    answers the step's attempts and parameters with the placeholder's new id."""
+    steps = EventRunStep.objects
+    mark_sql, mark_params = EventRun.objects.all().mark_dirty_statement(step.run_id)
+    claim_sql, claim_params = steps.claim_unread_statement(
+        step, ttl, by, max_attempts, token, live=None
+    )
+    insert_sql, insert_params = EventRunResource.objects.placeholder_insert(
+        step, owner, payload, only_if="claimed"
+    )
+    statement = (
+        f"WITH marked AS ({mark_sql} RETURNING 1), "
+        f"claimed AS ({claim_sql} RETURNING attempts, params), "
+        f"inserted AS ({insert_sql}) "
+        "SELECT claimed.attempts, claimed.params, (SELECT id FROM inserted) FROM claimed",
+        [*mark_params, *claim_params, *insert_params],
+    )
+    try:
+        [read] = _send(statement)
+    except Exception:
+        logger.warning(
+            "step %s: its claim's statement failed; reading back", step.pk, exc_info=True
+        )
+        return _claim_read_back(step, token)
+    if not read.rows:
+        return None
+    [(attempts, params, new_id)] = read.rows
+    [(attempts, params)] = steps.claimed_converted([(attempts, params)])
+    placeholder = int(new_id) if new_id else None
     return Claimed(steps.claimed_step(step, token, attempts, params), token, placeholder)
 
 
@@ -218,8 +284,10 @@ def finish(
         statements.append(insert)
     statements.append(EventRunResource.objects.resolve_statement(placeholder_id))
     expected = [1, len(rows), 1] if rows else [1, 1]
+    postgresql = connections[DEFAULT_DB_ALIAS].vendor == "postgresql"
+    committing = _one_statement_if if postgresql else _committing_if
     try:
-        _send(_committing_if(statements, expected))
+        _send(committing(statements, expected))
     except NotAsExpected:
         return False
     except Exception:
@@ -246,4 +314,22 @@ def _committing_if(statements: list[Statement], expected: list[int]) -> Statemen
     return (
         "BEGIN NOT ATOMIC\n" + ";\n".join(body) + ";\nEND",
         [p for _, values in statements for p in values],
+    )
+
+
+def _one_statement_if(statements: list[Statement], expected: list[int]) -> Statement:
+    """``statements`` (UPDATEs and INSERTs) as one PostgreSQL statement of CTEs that
+    fails, and so is rolled back whole, unless each counts the rows ``expected`` says:
+    a division by zero (``NOT_AS_EXPECTED_STATE``) where the counts differ."""
+    parts: list[str] = []
+    checks: list[str] = []
+    params: list[Any] = []
+    for i, ((sql, values), count) in enumerate(zip(statements, expected, strict=True)):
+        returning = sql if " RETURNING " in sql else f"{sql} RETURNING 1"
+        parts.append(f"s{i} AS ({returning})")
+        checks.append(f"(SELECT COUNT(*) FROM s{i}) = {int(count)}")
+        params.extend(values)
+    return (
+        f"WITH {', '.join(parts)} SELECT 1 / (CASE WHEN {' AND '.join(checks)} THEN 1 ELSE 0 END)",
+        params,
     )

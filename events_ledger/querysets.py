@@ -496,11 +496,11 @@ class EventRunStepQuerySet(models.QuerySet):
         max_attempts: int,
         token: str,
         *,
-        live: str,
+        live: str | None,
     ) -> Statement:
-        """The claim of a step not read first, for ``fastpath``'s compound statement:
-        won only while the step is claimable, still of its action, under
-        ``max_attempts``, and the block's variable ``live`` says its run has not ended."""
+        """The claim of a step not read first, for ``fastpath``'s one statement: won only
+        while the step is claimable, still of its action, under ``max_attempts``, and its
+        run has not ended (the block's variable ``live`` says so, or the run's status)."""
         return _CLAIM_UNREAD.statement(
             self, ttl, max_attempts, live, step=_pk(step), token=token, by=by, action=step.action_id
         )
@@ -509,6 +509,11 @@ class EventRunStepQuerySet(models.QuerySet):
         """The SELECT that ends ``fastpath``'s claim block: the step's attempts and
         parameters with the placeholder INSERT's count and id, only when it claimed."""
         return _CLAIMED_IN_BLOCK.statement(self, step=_pk(step))
+
+    def claimed_converted(self, rows: Any) -> list[tuple[int, Any]]:
+        """Rows of (attempts, params) a statement read under a claim, converted as the
+        ORM reads them (``params`` is JSON)."""
+        return [(int(a), p) for a, p in _CLAIMED.converted(self, rows)]
 
     def claimed_in_block(self, rows: Any) -> tuple[int, Any, int, int | None]:
         """What ``claimed_in_block_statement`` read, converted as the ORM reads it."""
@@ -862,8 +867,9 @@ class EventRunResourceQuerySet(models.QuerySet):
         """The INSERT statements of ``_insert_ignoring_held``: (sql, params, whether it
         answers the new id with RETURNING), one per chunk of rows.
 
-        ``only_if`` (one row, MariaDB only, for ``fastpath``): the row goes in only when
-        that condition on a compound statement's variables holds."""
+        ``only_if`` (one row, for ``fastpath``): on MariaDB the row goes in only when that
+        condition on a compound statement's variables holds; on PostgreSQL it names a CTE
+        of the statement, and the row goes in once for each of its rows."""
         ops = conn.ops
         table, names = self._insert_names(conn)
         now = ops.adapt_datetimefield_value(timezone.now())
@@ -898,6 +904,17 @@ class EventRunResourceQuerySet(models.QuerySet):
             head, tail = "INSERT INTO", " ON CONFLICT DO NOTHING"
             returning = " RETURNING id" if one else ""
         row_sql = f"%s, %s, %s, %s, %s, %s, %s, %s, '{status}', 0, 0, %s, %s"
+        if only_if is not None and conn.vendor == "postgresql":
+            # PostgreSQL: ``only_if`` names a CTE of the statement; one row goes in for
+            # each of its rows (the claim's: none when the claim was lost).
+            assert one
+            return [
+                (
+                    f"{head} {table} ({names}) SELECT {row_sql} FROM {only_if}{tail} RETURNING id",
+                    [*values[0], values[0][-1]],
+                    True,
+                )
+            ]
         if only_if is not None:
             assert one and conn.vendor == "mysql"
             return [

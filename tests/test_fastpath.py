@@ -33,12 +33,20 @@ def _table() -> str:
 
 
 def _insert_run(name: str) -> tuple[str, list[str]]:
+    now = "UTC_TIMESTAMP(6)" if connection.vendor == "mysql" else "CLOCK_TIMESTAMP()"
     return (
         f"INSERT INTO {_table()} (name, status, cleanup_status, scope, created_at, "
-        "updated_at) VALUES (%s, 'running', 'not_required', '', UTC_TIMESTAMP(6), "
-        "UTC_TIMESTAMP(6))",
+        f"updated_at) VALUES (%s, 'running', 'not_required', '', {now}, {now})",
         [name],
     )
+
+
+def _committing_if(statements: list, expected: list[int]):
+    """The fast path's finishing form on this server: MariaDB's compound statement, or
+    PostgreSQL's one statement of CTEs."""
+    if connection.vendor == "postgresql":
+        return fastpath._one_statement_if(statements, expected)
+    return fastpath._committing_if(statements, expected)
 
 
 def _seen_elsewhere(name: str) -> bool:
@@ -58,6 +66,20 @@ def _seen_elsewhere(name: str) -> bool:
 
 
 @pytest.fixture
+def _fast_server(transactional_db):
+    if not _takes_fast_path():
+        pytest.skip("the fast path runs on MariaDB and PostgreSQL")
+
+
+def _takes_fast_path() -> bool:
+    mariadb = connection.vendor == "mysql" and connection.mysql_is_mariadb
+    return mariadb or connection.vendor == "postgresql"
+
+
+fast_only = pytest.mark.usefixtures("_fast_server")
+
+
+@pytest.fixture
 def _mariadb(transactional_db):
     # Asked of the server (``mysql_is_mariadb`` reads its version), so once the test
     # may reach it: a skipif condition would be evaluated before, and fail when no
@@ -70,21 +92,20 @@ mariadb_only = pytest.mark.usefixtures("_mariadb")
 
 
 @world
-def test_only_mariadb_takes_the_fast_path():  # W5, #24
-    expected = connection.vendor == "mysql" and connection.mysql_is_mariadb
-    assert fastpath.enabled() is expected
+def test_mariadb_and_postgresql_take_the_fast_path():  # W5, #24, #27
+    assert fastpath.enabled() is _takes_fast_path()
 
 
 @world
-@mariadb_only
-def test_a_block_commits_only_when_every_count_is_as_expected():  # W5, #12
+@fast_only
+def test_a_block_commits_only_when_every_count_is_as_expected():  # W5, #12, #27
     """The server reads each statement's count and commits or rolls back itself: what it
     rolled back is seen by nobody, and the session is in autocommit after either."""
-    fastpath._send(fastpath._committing_if([_insert_run("fast-e")], [1]))
+    fastpath._send(_committing_if([_insert_run("fast-e")], [1]))
     assert _seen_elsewhere("fast-e")
     with pytest.raises(fastpath.NotAsExpected):
         # One row went in, two were expected.
-        fastpath._send(fastpath._committing_if([_insert_run("fast-f")], [2]))
+        fastpath._send(_committing_if([_insert_run("fast-f")], [2]))
     assert not _seen_elsewhere("fast-f")
     assert not connection.in_atomic_block and connection.get_autocommit()
     EventRun.objects.create(name="fast-f-after")  # autocommit again: it commits
@@ -92,7 +113,7 @@ def test_a_block_commits_only_when_every_count_is_as_expected():  # W5, #12
 
 
 @world
-@mariadb_only
+@fast_only
 def test_a_block_that_fails_half_way_leaves_no_transaction_open():  # W5, rule 1, #24
     """MariaDB rolls back only the statement that failed: the block's transaction would
     stay open, Django would take the session for autocommit, and the host's next write
@@ -100,14 +121,14 @@ def test_a_block_that_fails_half_way_leaves_no_transaction_open():  # W5, rule 1
     sql, params = _insert_run("fast-g")
     broken = ("UPDATE " + _table() + " SET no_such_column = 1", [])
     with pytest.raises(Exception, match="no_such_column"):
-        fastpath._send(fastpath._committing_if([(sql, params), broken], [1, 1]))
+        fastpath._send(_committing_if([(sql, params), broken], [1, 1]))
     assert not _seen_elsewhere("fast-g")
     EventRun.objects.create(name="fast-g-after")  # the host's own write, same connection
     assert _seen_elsewhere("fast-g-after") and not _seen_elsewhere("fast-g")
 
 
 @world
-@mariadb_only
+@fast_only
 def test_a_block_that_fails_in_the_claim_block_leaves_no_transaction_open(
     isolated_registry, monkeypatch
 ):  # W5, rule 1, #24: finding 1 (the claim's block was never rolled back)
@@ -122,7 +143,8 @@ def test_a_block_that_fails_in_the_claim_block_leaves_no_transaction_open(
 
     def renamed_column(self, *args, **kwargs):
         sql, params = real(self, *args, **kwargs)
-        return sql.replace("`member_key`", "`member_key_renamed`", 1), params
+        column = connection.ops.quote_name("member_key")
+        return sql.replace(column, connection.ops.quote_name("member_key_renamed"), 1), params
 
     monkeypatch.setattr(EventRunResourceQuerySet, "placeholder_insert", renamed_column)
     assert (
@@ -368,7 +390,7 @@ def test_a_step_not_saved_is_refused_clearly(isolated_registry):  # W5: bad inpu
 
 
 @world
-@mariadb_only
+@fast_only
 def test_a_claim_block_the_server_refuses_leaves_the_step_to_the_general_path(
     isolated_registry, monkeypatch
 ):  # W5, #24: finding 3 (the claim's block had no fallback: execute_step raised)
@@ -381,7 +403,8 @@ def test_a_claim_block_the_server_refuses_leaves_the_step_to_the_general_path(
 
     def refused(self, *args, **kwargs):
         sql, params = real(self, *args, **kwargs)
-        return sql.replace("`member_key`", "`member_key_renamed`", 1), params
+        column = connection.ops.quote_name("member_key")
+        return sql.replace(column, connection.ops.quote_name("member_key_renamed"), 1), params
 
     monkeypatch.setattr(EventRunResourceQuerySet, "placeholder_insert", refused)
     result = execute_step(step)
@@ -431,7 +454,7 @@ def test_the_bench_reads_a_block_statement_by_statement():  # bench, #12
 
 
 @world
-@mariadb_only
+@fast_only
 def test_a_host_that_turns_the_fast_path_off_gets_the_general_path(
     settings, isolated_registry
 ):  # #24, S4
@@ -446,7 +469,7 @@ def test_a_host_that_turns_the_fast_path_off_gets_the_general_path(
 
     with connection.execute_wrapper(wrapper):
         assert execute_step(new_step(new_run(), "t.trip")).outcome == "done"
-    assert sent and not any("BEGIN NOT ATOMIC" in sql for sql in sent)
+    assert sent and not any("BEGIN NOT ATOMIC" in sql or "WITH marked" in sql for sql in sent)
     settings.EVENTS_LEDGER = {"FAST_PATH": "yes"}
     from django.core.exceptions import ImproperlyConfigured
 

@@ -14,9 +14,9 @@ transaction Django does not know of); no object is recorded twice; no object is 
 back twice; the world is back at its start; no step is left claimed by a call that no
 longer runs; every run's summary agrees with its rows.
 
-MariaDB and PostgreSQL (SQLite has no server to fault). On MariaDB a step takes the fast
-path (compound statements) and, with ``FAST_PATH`` off, the general path; elsewhere the
-general path. ``make test`` runs the short version (every k of the proxy's faults, the
+MariaDB and PostgreSQL (SQLite has no server to fault). A step takes the fast path (a
+compound statement on MariaDB, one statement of CTEs on PostgreSQL) and, with
+``FAST_PATH`` off, the general path. ``make test`` runs the short version (every k of the proxy's faults, the
 server's at the first, middle and last write); ``make chaos`` every k of every kind."""
 
 from __future__ import annotations
@@ -231,8 +231,9 @@ PATHS = pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "genera
 
 
 def _skip_if_no_fast_path(fast: bool) -> None:
-    if fast and not (connection.vendor == "mysql" and connection.mysql_is_mariadb):
-        pytest.skip("the fast path runs on MariaDB only")
+    mariadb = connection.vendor == "mysql" and connection.mysql_is_mariadb
+    if fast and not (mariadb or connection.vendor == "postgresql"):
+        pytest.skip("the fast path runs on MariaDB and PostgreSQL")
 
 
 # ── a step ──

@@ -583,6 +583,19 @@ def test_a_step_costs_two_transactions_of_fixed_statements_whatever_its_size(
     # Durable moment 2: the outcome (which also checks the claim), the rows, the resolve.
     second = [(2, "UPDATE"), (2, "INSERT"), (2, "UPDATE")]
     fast = connection.vendor == "mysql" and connection.mysql_is_mariadb
+    if connection.vendor == "postgresql":
+        # The fast path (PostgreSQL, #27): each transaction one statement of CTEs, in
+        # autocommit (the mark, the claim, the placeholder and the read back; then the
+        # outcome, the rows and the resolve), decided by the server.
+        first, dirty, second_pg, trips = [(0, "WITH")], [(0, "WITH")], [(0, "WITH")], 2
+        statements, sent = _statements(new_step(run, "t.make", {"n": 1}))
+        assert (statements, sent) == (first + second_pg, trips)
+        statements, sent = _statements(new_step(run, "t.make", {"n": 50}, seq=1))
+        assert (statements, sent) == (dirty + second_pg, trips)
+        statements, sent = _statements(new_step(run, "t.make", {"n": 1}, seq=2).pk)
+        assert (statements, sent) == ([(0, "SELECT"), *first, *second_pg], trips + 1)
+        assert Res.filter(run=run, kind="thing", status="confirmed").count() == 52
+        return
     if fast:
         # The fast path (MariaDB): the step passed (not its id) is not read first. In
         # one compound statement, mark the run dirty (a no-op once it is), claim,
