@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connection, connections, transaction
 from django.db.models import Exists, OuterRef
 
 from . import signals
@@ -338,7 +338,6 @@ def cleanup_run(
     if run.status not in EventRun.TERMINAL:
         raise RunNotTerminal(f"run {run.pk} is {run.status}: only a finished run is cleaned up")
     with dropping_dead(), statements_retried(), log_context(run_id=run.pk):  # #15
-        _finish_earlier_passes()
         reset = None
         if reset_attempts:
             # The human's licence and its record land together: a pass killed after the
@@ -436,44 +435,92 @@ class _InHand:
 
 
 class _Backlog:
-    """Verdicts this process holds whose write failed: written by its next pass (or by
-    ``write_verdicts_in_hand``), for as long as the process lives. Only a dead
-    process's claims wait for ``REVERT_CLAIM_TTL``."""
+    """Verdicts this process holds whose write failed, for as long as it lives: a daemon
+    thread keeps their claims fresh (every quarter of ``REVERT_CLAIM_TTL``, so no other
+    sweeper takes them for a dead process's and asks the module again) and tries to
+    write them, as does this process's next sweep. Only a dead process's claims wait
+    for the TTL."""
 
     def __init__(self) -> None:
+        self.reset_after_fork()
+
+    def reset_after_fork(self) -> None:
+        # A forked child holds no module answers of its parent's (the parent writes
+        # them) and no thread; a lock held at the fork would stay held for ever.
         self._lock = threading.Lock()
         self._hands: list[_InHand] = []
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
 
     def keep(self, hand: _InHand) -> None:
         with self._lock:
             self._hands.append(hand)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="events-ledger:verdicts-in-hand", daemon=True
+                )
+                self._thread.start()
 
     def take(self) -> list[_InHand]:
         with self._lock:
             hands, self._hands = self._hands, []
         return hands
 
+    def tokens(self) -> list[str]:
+        with self._lock:
+            return [hand.token for hand in self._hands if hand.token is not None]
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._hands)
 
-    def reset_after_fork(self) -> None:
-        # A forked child holds no module answers of its parent's; the parent writes them.
-        self._lock = threading.Lock()
-        self._hands = []
+    def drop_all(self, wait_s: float = 10.0) -> None:
+        """Forget every verdict in hand and let the thread end (a test's teardown)."""
+        self.take()
+        thread = self._thread
+        if thread is not None:
+            self._wake.set()
+            thread.join(wait_s)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                interval = ledger_settings.REVERT_CLAIM_TTL.total_seconds() / 4
+            except Exception:  # a bad setting is reported by the checks; keep going
+                interval = 60.0
+            self._wake.wait(max(interval, 0.05))
+            self._wake.clear()
+            try:
+                for token in self.tokens():
+                    Res.refresh_claim(token)
+                write_verdicts_in_hand()
+            except Exception:
+                logger.warning("the verdicts in hand: this beat failed", exc_info=True)
+            finally:
+                # A connection per beat, not one held for the process's life.
+                try:
+                    connections.close_all()
+                except Exception:
+                    logger.debug("closing the backlog's connection failed", exc_info=True)
+            with self._lock:
+                if not self._hands:
+                    self._thread = None
+                    return
 
 
 _backlog = _Backlog()
 
-#: How often one pass tries to write its verdicts before keeping them for the next
-#: (each try its own transaction; a conflict or a lock wait waits a little longer).
+#: How often one pass tries to write its verdicts before keeping them for later (each
+#: try its own transaction; a conflict or a lock wait waits a little longer), and for
+#: how long at most: the pass, and a request that worked one run, must not hang on it.
 VERDICT_WRITE_TRIES = 8
+VERDICT_WRITE_BUDGET_S = 10.0
 
 
 def _write_in_hand(hand: _InHand) -> dict[int, CleanupSummary]:
     """Write a pass's verdicts, then settle its runs' summaries. A write that cannot be
-    made now keeps the verdicts in this process (``_backlog``) with their claims kept
-    fresh, and raises ``VerdictsInHand``."""
+    made now keeps the verdicts in this process (``_backlog``, which keeps their claims
+    fresh), and raises ``VerdictsInHand``."""
     token = hand.token
     try:
         worked, entries = _persistently(lambda: _write_verdicts(hand.summaries, hand.lanes, token))
@@ -484,7 +531,6 @@ def _write_in_hand(hand: _InHand) -> dict[int, CleanupSummary]:
             exc_info=True,
         )
         _backlog.keep(hand)
-        _keep_fresh(token)
         raise VerdictsInHand(f"{type(exc).__name__}: {exc}") from exc
     log = [*hand.log, *entries]
     try:
@@ -497,16 +543,6 @@ def _write_in_hand(hand: _InHand) -> dict[int, CleanupSummary]:
         except DatabaseError as exc:
             drop_if_dead(exc)
         raise
-
-
-def _keep_fresh(token: str | None) -> None:
-    if token is None:
-        return
-    try:
-        Res.refresh_claim(token)
-    except DatabaseError as exc:
-        drop_if_dead(exc)
-        logger.warning("could not keep the claim of verdicts in hand fresh", exc_info=True)
 
 
 def write_verdicts_in_hand() -> int:
@@ -531,14 +567,20 @@ def _persistently(fn: Callable[[], T]) -> T:
     """Run ``fn`` as one transaction until it commits, within ``VERDICT_WRITE_TRIES``: a
     conflict (a deadlock, a lock wait timeout, Galera's certification) waits with
     exponential backoff and jitter, so sweepers that collided do not collide again in
-    step; a lost connection is replaced. ``fn`` must be fenced (a verdict is written
+    step; a lost connection is replaced; at most ``VERDICT_WRITE_BUDGET_S`` of tries. ``fn`` must be fenced (a verdict is written
     under its claim's token), so a COMMIT whose answer was lost is safe to run again:
     the second finds its verdicts written and reads them back (``verdicts_written``)."""
+    if connection.in_atomic_block:
+        # Inside a caller's transaction a conflict rolled the caller's work back too: it
+        # is the caller's to retry (SPEC: deadlocks), not this loop's.
+        return in_transaction(fn, tries=1)
+    started = time.monotonic()
     for attempt in range(VERDICT_WRITE_TRIES):
         try:
             return in_transaction(fn, tries=1)
         except DatabaseError as exc:
-            last = attempt == VERDICT_WRITE_TRIES - 1
+            spent = time.monotonic() - started > VERDICT_WRITE_BUDGET_S
+            last = attempt == VERDICT_WRITE_TRIES - 1 or spent
             if last or not (is_deadlock(exc) or drop_if_dead(exc)):
                 raise
             db_retries["verdicts"] += 1
@@ -660,9 +702,10 @@ class _Writes:
             Res.unclaim(self.unstarted, token)
         if written == asked:
             return None
-        return Res.verdicts_written(
-            [*self.reverted, *(pk for pks in self.failed.values() for pk in pks)], token
-        )
+        by_status: dict[str, list[int]] = {ResourceStatus.REVERTED: list(self.reverted)}
+        for (_, restore_to, _, _), pks in self.failed.items():
+            by_status.setdefault(restore_to, []).extend(pks)
+        return Res.verdicts_written(by_status, token)
 
 
 def _split(lane: _Lane) -> tuple[list[int], list[int], str | None]:
@@ -981,7 +1024,10 @@ def _error_text(exc: BaseException) -> str:
 
 def _finish_earlier_passes() -> None:
     """What earlier passes of this process left: verdicts in hand are written first, then
-    claims that never reached a module are handed back."""
+    claims that never reached a module are handed back. Not inside a caller's
+    transaction: written there, they would be lost with it if it rolled back."""
+    if connection.in_atomic_block:
+        return
     try:
         held = write_verdicts_in_hand()
         if held:

@@ -272,19 +272,37 @@ def sqlstate(exc: BaseException) -> str | None:
 def drop_if_dead(exc: BaseException, using: str = "default") -> bool:
     """Close the connection when ``exc`` says it is dead (or it no longer answers), so
     the next statement reconnects instead of failing on it for ever ("gone away" on
-    every later call of the thread). Answers whether it was closed."""
+    every later call of the thread). Answers whether it was closed.
+
+    Inside a transaction the caller owns, only a connection the error itself says is
+    lost is closed: an ordinary error there (PostgreSQL refuses every statement of an
+    aborted transaction, ``SELECT 1`` included) is the caller's to roll back, and
+    closing would end the caller's transaction behind its back."""
     conn = connections[using]
-    try:
-        usable = conn.connection is not None and conn.is_usable()
-    except Exception:
-        usable = False
-    if is_connection_lost(exc) or not usable:
+    lost = is_connection_lost(exc)
+    if not lost and conn.in_atomic_block:
+        return False
+    if lost or not _alive(conn):
         try:
             conn.close()
         except Exception:  # closing a dead connection may raise; it is closed all the same
             conn.connection = None
         return True
     return False
+
+
+def _alive(conn: Any) -> bool:
+    """Whether the connection still talks to its server, asked without a statement where
+    the driver knows (psycopg keeps the state of its socket)."""
+    raw = getattr(conn, "connection", None)
+    if raw is None:
+        return False
+    if conn.vendor == "postgresql":
+        return not (getattr(raw, "closed", False) or getattr(raw, "broken", False))
+    try:
+        return bool(conn.is_usable())
+    except Exception:
+        return False
 
 
 @contextmanager
@@ -313,11 +331,12 @@ def unretried(conn: Any) -> Iterator[None]:
     """What is sent on ``conn`` inside is not retried by ``statements_retried``: a
     compound statement that opens its own transaction and failed half-way is the
     sender's to roll back (a retried one would first commit the half that ran)."""
+    before = getattr(_unretried, "conn", None)
     _unretried.conn = conn
     try:
         yield
     finally:
-        _unretried.conn = None
+        _unretried.conn = before
 
 
 # ── statements compiled once ──

@@ -133,7 +133,10 @@ def _end_transaction(conn: Any, exc: BaseException) -> None:
             cursor.execute("ROLLBACK")
     except BaseException:
         logger.warning("a failed block could not be rolled back; closing its connection")
-        conn.close()
+        try:
+            conn.close()
+        except Exception:  # the error to raise is the block's, not the close's
+            conn.connection = None
 
 
 # ── a step's first transaction ──

@@ -328,9 +328,10 @@ def _claim_and_execute(step_id: int, known: EventRunStep | None) -> StepResult:
 
 def _begin_read_back(step_id: int) -> _Begun | StepResult:
     """``_begin`` in its transaction. Its COMMIT's answer may be lost after the server
-    committed: the claim is then read back by its token, and a claim that stands is
-    handed back at once (no call was made under it; the next try reuses its
-    placeholder) instead of holding the step until ``STEP_CLAIM_TTL``."""
+    committed: what it committed is then read back by the claim's token. A claim that
+    stands, with no call made under it, is handed back at once, its attempt not counted
+    (the next try reuses its placeholder), instead of holding the step until
+    ``STEP_CLAIM_TTL``; an outcome it had written (a step that may not run) is answered."""
     tokens: list[str] = []
     try:
         return in_transaction(lambda: _begin(step_id, tokens))
@@ -338,11 +339,21 @@ def _begin_read_back(step_id: int) -> _Begun | StepResult:
         if not tokens or not drop_if_dead(exc):
             raise
         token = tokens[-1]
-        if EventRunStep.objects.under_claim(step_id, token) is None:
+        status = EventRunStep.objects.status_under(step_id, token)
+        if status is None:
             raise  # nothing of it committed: the caller's error to handle
-        step = EventRunStep.objects.get(pk=step_id)
-        error = "the answer to its claim was lost; the claim was handed back, not performed"
-        return _settle(step, token, StepResult("retry", error=error))
+        if status == StepStatus.RUNNING:
+            EventRunStep.objects.hand_back(step_id, token)
+            return StepResult(
+                "retry", error="the answer to its claim was lost; handed back, not performed"
+            )
+        outcomes: dict[str, str] = {
+            StepStatus.FAILED: "failed",
+            StepStatus.REFUSED: "refused",
+            StepStatus.DONE: "done",
+        }
+        outcome = outcomes.get(status, "retry")
+        return StepResult(outcome, error="its outcome was written; the answer to it was lost")
 
 
 def _begin(step_id: int, tokens: list[str]) -> _Begun | StepResult:

@@ -549,6 +549,19 @@ class EventRunStepQuerySet(models.QuerySet):
         rows = _CLAIMED.rows(self, step=_pk(step), token=token)
         return (int(rows[0][0]), rows[0][1]) if rows else None
 
+    def hand_back(self, step: Any, token: str) -> bool:
+        """Give back a claim whose answer was lost before any call was made under it:
+        ``running → pending`` while ``token`` is still its claim, and the attempt it
+        counted taken back (nothing was tried). Answers whether it did."""
+        return (
+            self.filter(pk=_pk(step), claim_token=token, status=StepStatus.RUNNING).update(
+                status=StepStatus.PENDING,
+                attempts=Greatest(F("attempts") - 1, Value(0)),
+                updated_at=UtcNow(),
+            )
+            == 1
+        )
+
     def status_under(self, step: Any, token: str) -> str | None:
         """The step's status while ``token`` is its claim (a settled outcome keeps the
         token), else None: how an outcome whose answer was lost is read back."""
@@ -1178,28 +1191,33 @@ class EventRunResourceQuerySet(models.QuerySet):
             updated_at=UtcNow()
         )
 
+    def verdicts_written(self, by_status: Mapping[str, Sequence[Any]], token: str) -> set[int]:
+        """Of rows claimed under ``token``, the ones whose verdict this claim wrote: each
+        still carries the token (a takeover replaces it) and the status its verdict gave
+        it (``by_status``: status -> rows), so a row a reconcile orphaned after its claim
+        went stale is not taken for one this claim gave back. Only read when a verdict
+        statement matched fewer rows than it was given."""
+        return {
+            pk
+            for status, pks in by_status.items()
+            for part in chunked(_pks(pks))
+            for pk in self.filter(pk__in=part, claim_token=token, status=status).values_list(
+                "pk", flat=True
+            )
+        }
+
     def unclaim(self, pks: Any, token: str) -> int:
         """Hand back rows claimed under ``token`` that were never given to a module (the
         pass was asked to stop first): stale at once, and the claim not counted, since
-        no call was made that could have killed or hung the sweeper."""
+        no call was made that could have killed or hung the sweeper. Once only: a row
+        handed back already (stale at ``LONG_AGO``) is not counted back twice when a
+        write whose answer was lost is run again."""
         return sum(
-            self.filter(pk__in=part, claim_token=token, status=ResourceStatus.REVERTING).update(
-                updated_at=LONG_AGO, claim_count=Greatest(F("claim_count") - 1, Value(0))
-            )
+            self.filter(pk__in=part, claim_token=token, status=ResourceStatus.REVERTING)
+            .exclude(updated_at=LONG_AGO)
+            .update(updated_at=LONG_AGO, claim_count=Greatest(F("claim_count") - 1, Value(0)))
             for part in chunked(_pks(pks))
         )
-
-    def verdicts_written(self, pks: Any, token: str) -> set[int]:
-        """Of rows claimed under ``token``, the ones whose verdict this claim wrote (a
-        verdict leaves the token on the row; a takeover replaces it). Only read when a
-        verdict statement matched fewer rows than it was given."""
-        return {
-            pk
-            for part in chunked(_pks(pks))
-            for pk in self.filter(pk__in=part, claim_token=token)
-            .exclude(status=ResourceStatus.REVERTING)
-            .values_list("pk", flat=True)
-        }
 
     def _won(self, token: str, known: dict[Any, EventRunResource]) -> list[EventRunResource]:
         won = list(

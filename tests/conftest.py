@@ -62,3 +62,15 @@ def figure(request, vendor):
         }
         with open(path, "a") as out:
             out.write(json.dumps(line, default=str) + "\n")
+
+
+@pytest.fixture(autouse=True)
+def _no_verdicts_in_hand_between_tests():
+    """#24: the undo half's process-wide state (verdicts in hand, claims to hand back)
+    starts empty in every test, whatever an earlier test left."""
+    from events_ledger import cleanup
+
+    cleanup._backlog.drop_all()
+    cleanup._unfinished.reset_after_fork()
+    yield
+    cleanup._backlog.drop_all()  # its thread must not write into the next test's tables

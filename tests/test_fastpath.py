@@ -608,3 +608,20 @@ def test_a_forked_child_makes_calls_though_the_parent_held_the_pool():  # W5, de
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child's call never came back")
+
+
+@world
+def test_an_ordinary_error_inside_a_callers_transaction_leaves_its_connection_open():
+    # #24 review: on PostgreSQL ``SELECT 1`` fails in an aborted transaction, which read
+    # as a dead connection: the ledger closed it, and the caller's transaction with it.
+    from django.db import DatabaseError, transaction
+
+    from events_ledger.db import dropping_dead
+
+    with transaction.atomic():
+        EventRun.objects.create(name="callers-own")
+        with pytest.raises(DatabaseError), transaction.atomic(), dropping_dead():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT no_such_column FROM " + _table())
+        EventRun.objects.create(name="callers-own-after")
+    assert _seen_elsewhere("callers-own") and _seen_elsewhere("callers-own-after")

@@ -179,14 +179,20 @@ def _under_proxy_faults(
             spawned = _spawned()
             db.reconnect()
             session = db.session_id()
+            before = db.proxy.count(session)
             db.arm(kind, k)
             tally.tried[kind] += 1
             try:
                 unit(given)
             except Exception:
                 tally.raised[kind] += 1
-            db.proxy.disarm(session)  # a unit that sent fewer requests this time
+            db.proxy.disarm(session)
             fired = bool(db.fired())
+            if not fired:
+                # Only a unit that took a shorter way this time (a read it did not need,
+                # a branch it did not take) leaves a fault unreached.
+                sent = db.proxy.count(session) - before
+                assert sent < k, f"{tag}: armed, not fired, yet {sent} requests went"
             tally.fired[kind] += fired
             tally.unreached[kind] += not fired
             check(given, tag, spawned)
@@ -217,6 +223,9 @@ def _under_server_faults(
                     unit(given)
                 except Exception:
                     tally.raised[kind] += 1
+            # A write inside a transaction that already holds its table cannot be
+            # blocked by another session (the harness says so); every other one fires.
+            assert fault.fired or "rows only" in fault.detail, (tag, fault.detail)
             tally.fired[kind] += fault.fired
             check(given, tag, spawned)
 
@@ -249,6 +258,10 @@ def _step_unit(step: EventRunStep) -> Any:
 
 def _step_check(step: EventRunStep, tag: str, spawned: dict[str, str]) -> None:
     _host_write_survives(tag)
+    step.refresh_from_db()
+    # A fault costs at most the attempt it hit: never a step failed for good (it starts
+    # with every attempt left).
+    assert step.status != "failed" and step.attempts <= 1, (tag, step.status, step.attempts)
     run = EventRun.objects.get(pk=step.run_id)
     _recorded_once(run, tag)
     _end_and_sweep(run, tag)
@@ -267,7 +280,7 @@ def test_a_step_loses_nothing_to_a_fault_at_any_round_trip(
     with _fast_path(fast, settings):
         _under_proxy_faults(proxied_db, tally, _step_input, _step_unit, _step_check)
     figure(tally.figure("a step"), True, tried=dict(tally.tried), fired=dict(tally.fired))
-    assert sum(tally.fired.values()) >= sum(tally.tried.values()) // 2, tally
+    assert sum(tally.fired.values()) > 0, tally
 
 
 @PATHS
@@ -312,7 +325,7 @@ def test_a_sweep_pass_gives_back_once_whatever_round_trip_fails(
     tally = Tally()
     _under_proxy_faults(proxied_db, tally, _pass_input, _pass_unit, _pass_check)
     figure(tally.figure("a sweep pass"), True, tried=dict(tally.tried), fired=dict(tally.fired))
-    assert sum(tally.fired.values()) >= sum(tally.tried.values()) // 2, tally
+    assert sum(tally.fired.values()) > 0, tally
 
 
 def test_a_sweep_pass_gives_back_once_whatever_write_the_server_fails(
@@ -364,7 +377,7 @@ def test_a_reconcile_orphans_once_whatever_round_trip_fails(
     tally = Tally()
     _under_proxy_faults(proxied_db, tally, _reconcile_input, _reconcile_unit, _reconcile_check)
     figure(tally.figure("a reconcile"), True, tried=dict(tally.tried), fired=dict(tally.fired))
-    assert sum(tally.fired.values()) >= sum(tally.tried.values()) // 2, tally
+    assert sum(tally.fired.values()) > 0, tally
 
 
 def test_a_reconcile_orphans_once_whatever_write_the_server_fails(
@@ -436,3 +449,37 @@ def test_an_answer_committed_unanswered_and_given_back_since_is_never_recorded_a
         _given_back_once({**spawned_before, **_spawned()}, "lost commit answer")
         _world_at_start("lost commit answer")
         assert Creature.objects.count() == 0
+
+
+# ── #24 review: a lost claim on a step's last attempt ──
+
+
+def test_a_claim_whose_answer_was_lost_on_the_last_attempt_is_not_failed_for_good(
+    proxied_db, short_ttls, settings
+):  # W5, #24
+    """The general path's first transaction commits its claim and the answer is lost.
+    No call was made under the claim: handed back with its attempt not counted, the
+    step is still to be tried, never failed for good on its last attempt unperformed."""
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "FAST_PATH": False}
+    connection.ensure_connection()
+    max_attempts = 3
+    _fresh_world()
+    unfaulted = _step_input()
+    work = proxied_db.enumerate(lambda: _step_unit(unfaulted))
+    _end_and_sweep(EventRun.objects.get(pk=unfaulted.run_id), "unfaulted")
+    for k in range(1, work.requests + 1):
+        _fresh_world()
+        step = _step_input()
+        EventRunStep.objects.filter(pk=step.pk).update(attempts=max_attempts - 1)
+        step.refresh_from_db()
+        proxied_db.reconnect()
+        session = proxied_db.session_id()
+        proxied_db.arm("lose_reply", k)
+        with contextlib.suppress(Exception):
+            execute_step(step)
+        proxied_db.proxy.disarm(session)
+        step.refresh_from_db()
+        performed = Creature.objects.filter(spawned_by=step.idempotency_key).exists()
+        assert step.status != "failed" or performed, (k, step.status, step.last_error)
+        _end_and_sweep(EventRun.objects.get(pk=step.run_id), f"last attempt, lose_reply@{k}")
+        _world_at_start(f"last attempt, lose_reply@{k}")

@@ -731,3 +731,57 @@ def test_a_verdict_held_up_by_another_sessions_locks_is_written_later_not_asked_
     assert set(Res.filter(run=run).values_list("status", flat=True)) == {"reverted"}
     run.refresh_from_db()
     assert run.cleanup_status == "complete"
+
+
+@world_db
+def test_verdicts_in_hand_keep_their_claims_fresh_and_are_written_by_the_process(
+    isolated_registry, vendor, monkeypatch, settings
+):  # R5, C4, #24 review: kept only until the TTL, the module was asked again
+    """A pass whose verdict write fails keeps the verdicts. Long after
+    ``REVERT_CLAIM_TTL`` no other sweeper may take their rows (their claims are kept
+    fresh), and the process writes them itself once the database takes them, with no
+    further pass of its own."""
+    from django.db import OperationalError
+
+    import events_ledger.cleanup as cleanup
+    from tests.helpers import wait_until
+
+    def run_settled(run) -> bool:
+        run.refresh_from_db()
+        return run.cleanup_status == "complete"
+
+    if vendor == "sqlite":
+        pytest.skip("the keeper's own connection needs a server database")
+    settings.EVENTS_LEDGER = {"REVERT_CLAIM_TTL": 0.4}
+    calls: list[int] = []
+    ledger_action(
+        isolated_registry, revert=lambda run_id, **kw: calls.append(run_id) or {"ok": True}
+    )
+    run = RunFactory(status="completed", cleanup_status="pending")
+    ResourceFactory(run=run, step=new_step(run, "t.make"), owner_module="t")
+    refused = {"on": True}
+    write = cleanup._write_verdicts
+
+    def refusing(*args, **kwargs):
+        if refused["on"]:
+            raise OperationalError(1205, "Lock wait timeout exceeded")
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(cleanup, "VERDICT_WRITE_BUDGET_S", 0.0)
+    monkeypatch.setattr(cleanup, "_write_verdicts", refusing)
+    assert run.pk in sweep().errors and calls == [run.pk]
+    started = time.monotonic()
+    # Three TTLs go by; every pass of another sweeper finds the rows claimed, fresh.
+    while time.monotonic() - started < 1.2:
+        other = sweep()
+        assert not other.runs or all(s.attempted == 0 for s in other.runs), other
+        time.sleep(0.05)
+    assert calls == [run.pk]
+    refused["on"] = False
+    wait_until(
+        lambda: set(Res.filter(run=run).values_list("status", flat=True)) == {"reverted"},
+        "the process to write the verdicts it holds",
+    )
+    assert calls == [run.pk]
+    wait_until(lambda: run_settled(run), "the summary settled by the process")
+    assert calls == [run.pk]
