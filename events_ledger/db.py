@@ -317,6 +317,37 @@ def dropping_dead(using: str = "default") -> Iterator[None]:
         raise
 
 
+@contextmanager
+def causal_reads(using: str = "default") -> Iterator[None]:
+    """Reads inside see every transaction committed anywhere in the cluster before them.
+
+    On a Galera node another node's commit may not be applied yet when a read arrives:
+    a read-back of a write whose answer was lost (committed on this node, certified
+    everywhere) could miss it and take it for undone. ``wsrep_sync_wait`` makes the
+    node catch up first; a plain MariaDB has the variable and ignores it, and MySQL
+    refuses it, which changes nothing here. Only for the rare read-back paths."""
+    conn = connections[using]
+    if conn.vendor != "mysql" or conn.in_atomic_block:
+        yield
+        return
+    try:
+        with conn.cursor() as cursor:
+            cursor.execute(
+                "SET @events_ledger_sync = @@SESSION.wsrep_sync_wait, SESSION wsrep_sync_wait = 1"
+            )
+    except DatabaseError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute("SET SESSION wsrep_sync_wait = @events_ledger_sync")
+        except DatabaseError as exc:
+            drop_if_dead(exc, using)
+
+
 #: Connections (by thread: Django's are per thread) sending something that must never
 #: be retried statement by statement (``unretried``).
 _unretried = threading.local()

@@ -39,7 +39,15 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router
 
 from .conf import ledger_settings
-from .db import Answer, Statement, driver_code, drop_if_dead, sqlstate, unretried
+from .db import (
+    Answer,
+    Statement,
+    causal_reads,
+    driver_code,
+    drop_if_dead,
+    sqlstate,
+    unretried,
+)
 from .models import EventRun, EventRunResource, EventRunStep
 from .states import StepStatus
 
@@ -254,7 +262,8 @@ def _claim_in_one_statement(
 def _claim_read_back(step: Any, token: str) -> Claimed | None:
     """What a claim's block that failed left: its transaction committed (our token is on
     the step; its placeholder went in with it) or nothing of it did."""
-    found = EventRunStep.objects.under_claim(step, token)
+    with causal_reads():
+        found = EventRunStep.objects.under_claim(step, token)
     if found is None:
         return None
     attempts, params = found
@@ -295,7 +304,8 @@ def finish(
         return False
     except Exception:
         logger.warning("step %s: its outcome's block failed; reading back", step.pk, exc_info=True)
-        return EventRunStep.objects.status_under(step, token) == StepStatus.DONE
+        with causal_reads():
+            return EventRunStep.objects.status_under(step, token) == StepStatus.DONE
     return True
 
 

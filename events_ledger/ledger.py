@@ -13,6 +13,7 @@ from . import fastpath, signals
 from .conf import ledger_settings
 from .db import (
     bounded,
+    causal_reads,
     drop_if_dead,
     dropping_dead,
     in_transaction,
@@ -339,7 +340,8 @@ def _begin_read_back(step_id: int) -> _Begun | StepResult:
         if not tokens or not drop_if_dead(exc):
             raise
         token = tokens[-1]
-        status = EventRunStep.objects.status_under(step_id, token)
+        with causal_reads():
+            status = EventRunStep.objects.status_under(step_id, token)
         if status is None:
             raise  # nothing of it committed: the caller's error to handle
         if status == StepStatus.RUNNING:
@@ -563,7 +565,8 @@ def _finish(b: _Begun, call: CallResult, *, late: bool = False) -> StepResult:
 
 def _settled_under(b: _Begun) -> bool:
     """Whether the step's outcome is written under this call's claim."""
-    status = EventRunStep.objects.status_under(b.step, b.token)
+    with causal_reads():
+        status = EventRunStep.objects.status_under(b.step, b.token)
     return status is not None and status != StepStatus.RUNNING
 
 
