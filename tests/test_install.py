@@ -298,8 +298,8 @@ def test_a_new_project_follows_the_docs_to_a_celery_run_a_sweep_metrics_and_heal
     host = tmp_path / "proj"
 
     # The pages' files, pasted as a reader pastes them: settings fragments at the end of
-    # settings.py ("..." in a list is what the list held), the rest as files. The docs
-    # call the project's package mysite on one page and proj on another: one package here.
+    # settings.py ("..." in a list is what the list held), the rest as files. Every page
+    # calls the project's package proj, as the Celery page's own files must.
     settings = host / "proj" / "settings.py"
     written: dict[str, str] = {}
     for page, section in ADOPTER_PATH:
@@ -309,7 +309,6 @@ def test_a_new_project_follows_the_docs_to_a_celery_run_a_sweep_metrics_and_heal
                 source = source.replace(DOCS_BROKER, broker)  # the reader's own broker
                 settings.write_text(settings.read_text() + "\n" + source)
                 continue
-            name = name.replace("mysite/", "proj/")
             written[name] = source if name not in written else written[name] + "\n" + source
             path = host / name
             path.parent.mkdir(exist_ok=True)
