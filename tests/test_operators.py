@@ -808,7 +808,8 @@ def test_the_app_index_shows_the_dashboard_at_a_glance(admin_client):  # #15: da
     assert 'data-status="orphaned" data-count="3"' in html
     assert "<script>x</script>" not in html and "&lt;script&gt;x&lt;/script&gt;" in html
     assert f"eventrunresource/{row.pk}/change/" in html and "refused &lt;b&gt;" in html
-    assert f"<td>{step.pk}</td><td><code>world.spawn</code></td>" in html
+    # #25: the step named as the run page names it, by its place in the run.
+    assert f"<td>#{step.seq}</td><td><code>world.spawn</code></td>" in html
 
 
 @pytest.mark.django_db
