@@ -22,7 +22,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from .conf import ledger_settings
-from .db import drop_if_dead, in_transaction
+from .db import drop_if_dead, dropping_dead, in_transaction
 from .models import EventRun, EventRunLog, EventRunResource, EventRunStep
 from .states import RUN_TERMINAL, UNRESOLVED, CleanupStatus, ResourceStatus, StepStatus
 
@@ -399,32 +399,35 @@ def prune(
     longest = 0.0
     file = Archive(archive) if archive is not None else None
     torn = dropped = 0
+    # A connection a fault killed is dropped: the host's next statement on this thread
+    # reconnects instead of failing with "gone away" (#24).
     try:
-        if file is not None:
-            torn, dropped = file.recover(history.any_left)
-        after = 0
-        while True:
-            window = history.window(after, batch)
-            if not window:
-                break
-            after = window[-1][0]
-            older = [pk for pk, created in window if created < cutoff]
-            if not older:
-                break  # every run from here on began after the cut-off
-            ids = history.prunable(older, cutoff)
-            if not ids:
-                continue
-            if dry_run:
-                out["runs"] += len(ids)
-                continue
-            began = time.monotonic()
-            counts = _prune_batch(history, ids, cutoff, file, refused)
-            longest = max(longest, time.monotonic() - began)
-            for key, n in counts.items():
-                out[key] += n
-            out["batches"] += 1
-            if on_batch is not None:
-                on_batch(out["runs"])
+        with dropping_dead(using):
+            if file is not None:
+                torn, dropped = file.recover(history.any_left)
+            after = 0
+            while True:
+                window = history.window(after, batch)
+                if not window:
+                    break
+                after = window[-1][0]
+                older = [pk for pk, created in window if created < cutoff]
+                if not older:
+                    break  # every run from here on began after the cut-off
+                ids = history.prunable(older, cutoff)
+                if not ids:
+                    continue
+                if dry_run:
+                    out["runs"] += len(ids)
+                    continue
+                began = time.monotonic()
+                counts = _prune_batch(history, ids, cutoff, file, refused)
+                longest = max(longest, time.monotonic() - began)
+                for key, n in counts.items():
+                    out[key] += n
+                out["batches"] += 1
+                if on_batch is not None:
+                    on_batch(out["runs"])
     finally:
         if file is not None:
             file.close()
@@ -464,6 +467,12 @@ def _prune_batch(
         # A table of the host points at one of the runs: the database refuses its delete.
         # The batch is rolled back whole; its runs go one by one, the refused one stays.
         _settle_after_failure(history, file)
+        if file is not None and file.pending is not None:
+            # The database could not say whether the member's runs are still there:
+            # only the next prune's ``recover`` may decide, and only while that member
+            # is the archive's last (another batch appended after it would archive its
+            # runs twice).
+            raise
         if len(ids) == 1:
             refused.extend(ids)
             return {}

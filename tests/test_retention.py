@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -197,7 +198,7 @@ def test_every_removed_run_is_read_back_whole_from_the_archive(tmp_path):  # #28
     assert [d["run"]["id"] for d in read] == [r.pk for r in runs]
     for doc in read:
         # Whole: every column of the run, its steps, rows and log, as they were.
-        assert _same(doc, expected[doc["run"]["id"]])
+        assert same_document(doc, expected[doc["run"]["id"]])
         assert len(doc["resources"]) == len(expected[doc["run"]["id"]]["resources"])
     assert kept.pk not in {d["run"]["id"] for d in read}
     # The docs' three lines: plain gzip and json read it too.
@@ -209,9 +210,8 @@ def test_every_removed_run_is_read_back_whole_from_the_archive(tmp_path):  # #28
     assert [d["run"]["id"] for d in read_archive(path)] == [*(r.pk for r in runs), more.pk]
 
 
-def _same(doc: dict[str, Any], expected: dict[str, Any]) -> bool:
-    from django.core.serializers.json import DjangoJSONEncoder
-
+def same_document(doc: dict[str, Any], expected: dict[str, Any]) -> bool:
+    """An archived run read back is the run as it was: every column, step, row, entry."""
     return doc == json.loads(json.dumps(expected, cls=DjangoJSONEncoder))
 
 

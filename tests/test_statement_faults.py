@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,9 +38,11 @@ from events_ledger.cleanup import reconcile_module, sweep
 from events_ledger.inflight import keeper
 from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
+from events_ledger.retention import History, prune, read_archive
 from project.world.models import Call, Creature
 from tests import faults
 from tests.helpers import new_run, spawn_step
+from tests.test_retention import KEEP, old_run, same_document, whole
 
 proxied_db = faults.proxied_db
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -387,6 +390,82 @@ def test_a_reconcile_orphans_once_whatever_write_the_server_fails(
     tally = Tally()
     _under_server_faults(tally, _reconcile_input, _reconcile_unit, _reconcile_check)
     figure(tally.figure("a reconcile"), True, tried=dict(tally.tried), fired=dict(tally.fired))
+    assert sum(tally.fired.values()) > 0, tally
+
+
+# ── a prune (#28) ──
+
+
+@dataclass
+class _History:
+    """What a prune is given: runs it may remove (with what the archive must read back
+    for each) and runs it must keep (with what the tables hold of each)."""
+
+    archive: Path
+    gone: dict[int, dict[str, Any]]
+    kept: dict[int, dict[str, int]]
+
+
+def _prune_input(tmp: Path) -> Callable[[], _History]:
+    trials = iter(range(1_000_000))
+
+    def prepare() -> _History:
+        # The same history every trial, so the k-th statement is the same one: what an
+        # earlier trial kept (and the host's writes) goes first.
+        for model in (EventRunResource, EventRunStep, EventRunLog, EventRun):
+            model.objects.all().delete()
+        gone = [old_run(name=f"pruned-{i}", rows=("reverted",) * (i % 3)) for i in range(4)]
+        kept = [
+            old_run(name="pruned-owes", cleanup="pending", rows=("confirmed",)),
+            old_run(name="pruned-incomplete", cleanup="incomplete", rows=("drifted",)),
+        ]
+        docs = History().documents([r.pk for r in gone])
+        return _History(
+            archive=tmp / f"trial-{next(trials)}.jsonl.gz",
+            gone={d["run"]["id"]: d for d in docs},
+            kept={r.pk: whole(r.pk) for r in kept},
+        )
+
+    return prepare
+
+
+def _prune_unit(given: _History) -> Any:
+    # Two runs a batch: a fault falls in the first batch, the second, or between.
+    return prune(older_than=KEEP, batch=2, archive=given.archive)
+
+
+def _prune_check(given: _History, tag: str, spawned: dict[str, str]) -> None:
+    _host_write_survives(tag)
+    for pk, held in given.kept.items():
+        assert whole(pk) == held, f"{tag}: a run that owes something lost rows"
+    # The next prune, unfaulted, finishes the job from the archive the fault left.
+    prune(older_than=KEEP, batch=2, archive=given.archive)
+    assert not EventRun.objects.filter(pk__in=given.gone).exists(), tag
+    for pk, held in given.kept.items():
+        assert whole(pk) == held, f"{tag}: a run that owes something lost rows"
+    read = list(read_archive(given.archive))
+    archived = Counter(doc["run"]["id"] for doc in read)
+    assert archived == Counter(list(given.gone)), f"{tag}: archived {dict(archived)}"
+    for doc in read:
+        assert same_document(doc, given.gone[doc["run"]["id"]]), f"{tag}: not whole"
+
+
+def test_a_prune_archives_each_run_once_whatever_round_trip_fails(
+    proxied_db, tmp_path, figure
+):  # #28, #24
+    tally = Tally()
+    _under_proxy_faults(proxied_db, tally, _prune_input(tmp_path), _prune_unit, _prune_check)
+    figure(tally.figure("a prune"), True, tried=dict(tally.tried), fired=dict(tally.fired))
+    assert sum(tally.fired.values()) > 0, tally
+
+
+def test_a_prune_archives_each_run_once_whatever_write_the_server_fails(
+    tmp_path, figure
+):  # #28, #24
+    faults.require_server()
+    tally = Tally()
+    _under_server_faults(tally, _prune_input(tmp_path), _prune_unit, _prune_check)
+    figure(tally.figure("a prune"), True, tried=dict(tally.tried), fired=dict(tally.fired))
     assert sum(tally.fired.values()) > 0, tally
 
 
