@@ -91,19 +91,72 @@ class Command(BaseCommand):
         self.show_ledger(run2)
         self.verdict(world.snapshot() == start, "the world equals its starting state again")
 
-        self.title("5. Look at it in the console")
+        self.given_back_in_order()
+
+        self.title("6. Look at it in the console")
         password = self.demo_user()
         self.out("  make serve     then open http://127.0.0.1:8000/admin/")
         self.out(f"  user: demo     password: {password}")
 
+    def given_back_in_order(self) -> None:
+        """C8: a run of three phases, each built on the one before, given back last phase
+        first. Out of order, the arena would refuse to come down under its lions."""
+        self.title("5. Rule C8: the last phase is given back first")
+        arena = "pit"
+        RegionSetting.objects.update_or_create(region=arena, defaults={"spawn_rate": 1})
+        before = world.snapshot()
+        mark = Call.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
+        run = EventRun.objects.create(name="Arena games", scope="demo", status="running")
+        self.step(run, 1, "world.build_arena", {"name": arena}, phase="arena")
+        self.step(
+            run, 1, "world.spawn", {"region": arena, "count": 2, "kind": "lion"}, phase="creatures"
+        )
+        self.step(
+            run, 1, "core.lease", {"lease": f"world.spawn_rate#{arena}", "value": 9}, phase="rate"
+        )
+        self.out("")
+        self.show_world()
+        self.out(
+            "The lions stand in the arena, and the arena will not come down while they do: "
+            "the phases depend on the ones before them."
+        )
+        EventRun.objects.transition(run, "completed", from_="running")
+        self.out("\nThe run ends. What the cron would do, phase by phase:")
+        self.cron("cleanup_runs", "--run", str(run.pk), "--dry-run")
+        self.cron("cleanup_runs", "-v", "2")
+        self.show_world()
+        self.show_ledger(run)
+        calls = list(
+            Call.objects.filter(
+                pk__gt=mark, verb__in=("restore", "despawn", "arena.down", "arena.refused")
+            )
+            .order_by("pk")
+            .values_list("verb", "refs")
+        )
+        self.out("  given back, in this order:")
+        self.table(["call", "refs"], [[verb, refs] for verb, refs in calls])
+        verbs = [verb for verb, _ in calls]
+        self.verdict(
+            verbs == ["restore", "despawn", "arena.down"] and world.snapshot() == before,
+            "given back rate → creatures → arena, no arena.refused, the world as before",
+        )
+
     # ── steps and the cron ──
 
     def step(
-        self, run: EventRun, seq: int, action: str, params: dict[str, Any], note: str = ""
+        self,
+        run: EventRun,
+        seq: int,
+        action: str,
+        params: dict[str, Any],
+        note: str = "",
+        phase: str = "main",
     ) -> EventRunStep:
-        step = EventRunStep.objects.create(run=run, seq=seq, action_id=action, params=params)
+        step = EventRunStep.objects.create(
+            run=run, phase=phase, seq=seq, action_id=action, params=params
+        )
         result = execute_step(step)
-        what = f"{action} {params}"
+        what = f"{action} {params}" if phase == "main" else f"[{phase}] {action} {params}"
         extra = f" ({note})" if note else ""
         self.out(f"  step {seq}: {what:<70} -> {result.outcome}, recorded {result.recorded}{extra}")
         return step
@@ -150,6 +203,7 @@ class Command(BaseCommand):
         self.out("  world: creatures")
         self.table(["region", "kind", "serial"], [list(c) for c in snap["creatures"]])
         self.out("  world: spawn rates  " + ", ".join(f"{r}={v}" for r, v in snap["rates"].items()))
+        self.out("  world: arenas  " + (", ".join(snap["arenas"]) or "(none)"))
 
     def show_ledger(self, run: EventRun) -> None:
         run.refresh_from_db()
