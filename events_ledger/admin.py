@@ -22,13 +22,13 @@ from django.utils import timezone
 from django.utils.formats import date_format
 from django.utils.html import format_html
 from django.utils.translation import gettext as _
-from django.utils.translation import gettext_lazy
+from django.utils.translation import gettext_lazy, ngettext
 
 from .cleanup import RunNotTerminal, cleanup_run, plan_run, reconcile_module
 from .conf import ledger_settings
 from .dashboard import DATETIME_FORMAT, TIME_FORMAT, run_timeline, when
 from .diagnosis import claim_stamp, diagnose
-from .models import EventRun, EventRunResource
+from .models import EventRun, EventRunResource, EventRunStep
 from .querysets import EventRunQuerySet, EventRunResourceQuerySet
 from .states import STEP_KIND, UNRESOLVED, CleanupStatus, ResourceStatus, status_label
 
@@ -322,6 +322,8 @@ class EventRunAdmin(LedgerAdmin):
             incomplete = obj.cleanup_status == CleanupStatus.INCOMPLETE
             steps = list(obj.steps.all())
             total = Res.filter(run=obj).count()
+            behind = self.waiting_behind(obj, steps)
+            waits = behind["row_ids"] if behind else set()
             context.update(
                 steps=steps,
                 # #15: the same steps and rows, drawn on one time axis.
@@ -335,11 +337,33 @@ class EventRunAdmin(LedgerAdmin):
                 ],
                 ledger_total=total,
                 log=[(e, as_lines(e.detail)) for e in log],
-                stuck=list(Res.unresolved_for_run(obj)) if incomplete else [],
+                stuck=[(r, r.pk in waits) for r in Res.unresolved_for_run(obj)]
+                if incomplete
+                else [],
+                behind=behind,
                 can_retry=self.has_retry_cleanup_permission(request) and obj.is_terminal,
                 page_limit=PAGE_LIMIT,
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
+
+    def waiting_behind(self, run: EventRun, steps: list[EventRunStep]) -> dict[str, Any] | None:
+        """C8: the later phase of a finished run that its earlier phases wait behind
+        (``Group.behind`` of the human retry's plan, a fixed number of queries for the
+        one run of the page), with the earlier phases' names and rows; None when no
+        group waits."""
+        if not run.is_terminal or not getattr(run, "unresolved_count", 1):
+            return None
+        held = [g for g in plan_run(run, reset_attempts=True) if g.behind]
+        if not held:
+            return None
+        names = {s.phase_rank: s.phase for s in steps}
+        ranks = sorted({g.rank for g in held if g.rank is not None})
+        return {
+            **(held[0].behind or {}),
+            "phases": [names.get(rank) or f"#{rank}" for rank in ranks],
+            "row_ids": {r.pk for g in held for r in g.rows},
+            "waiting": sum(len(g.rows) for g in held),
+        }
 
     # ── the human retry (C4 with reset_attempts) ──
 
@@ -404,6 +428,13 @@ class EventRunAdmin(LedgerAdmin):
         }
         if s.errors:
             text += f" ({'; '.join(s.errors[:3])})"
+        for b in s.behind:
+            # C8: what the earlier phases still wait behind once the retry ended.
+            text += " " + ngettext(
+                "— earlier phases wait behind phase '%(phase)s' (%(rows)d row of it unresolved)",
+                "— earlier phases wait behind phase '%(phase)s' (%(rows)d rows of it unresolved)",
+                b["rows"],
+            ) % {"phase": b["phase"], "rows": b["rows"]}
         self.message_user(request, text, levels.get(s.cleanup_status, messages.ERROR))
 
     def _retry(self, request: HttpRequest, run: EventRun) -> Any:

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
+from django.db.models import Count, Max, Q
 from django.utils import timezone
 from django.utils.formats import date_format
 from django.utils.translation import gettext as _
@@ -100,6 +102,62 @@ def bar_chart(modules: Sequence[ModuleRows], width: int = 760) -> BarChart:
     )
 
 
+# ── what earlier phases wait behind (C8) ──
+
+
+@dataclass(frozen=True)
+class Behind:
+    """C8: a run's last phase with an unresolved row, given back first, and how many rows
+    of its earlier phases wait behind it (what ``Group.behind`` says of one run)."""
+
+    run_id: int
+    phase: str
+    rank: int
+    #: Its unresolved rows.
+    rows: int
+    #: Every one of them has spent its attempts: stuck until a human retries.
+    stuck: bool
+    #: Unresolved rows of the run's earlier phases.
+    waiting: int
+
+
+def waiting_behind(run_ids: set[int]) -> dict[int, Behind]:
+    """For each of these runs whose earlier phases wait behind a later one, that later
+    phase: one GROUP BY over their unresolved rows, a range of the ``(run, status)``
+    index each, so the dashboard names the phases of its few runs in one query however
+    many they are (``plan_run`` would take a few per run). The rule is the planner's
+    (``cleanup._mark_behind``): a row of no phase neither waits nor holds."""
+    if not run_ids or not ledger_settings.GIVE_BACK_IN_ORDER:
+        return {}
+    spent = Q(revert_attempts__gte=ledger_settings.MAX_REVERT_ATTEMPTS) | Q(
+        claim_count__gte=ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
+    )
+    ranks: dict[int, list[dict[str, Any]]] = {}
+    for row in (
+        EventRunResource.objects.filter(
+            run_id__in=sorted(run_ids), status__in=UNRESOLVED, phase_rank__isnull=False
+        )
+        .order_by()
+        .values("run_id", "phase_rank")
+        .annotate(n=Count("pk"), spent=Count("pk", filter=spent), phase=Max("step__phase"))
+    ):
+        ranks.setdefault(row["run_id"], []).append(row)
+    out = {}
+    for run_id, phases in ranks.items():
+        if len(phases) < 2:
+            continue  # one phase: nothing waits behind it
+        top = max(phases, key=lambda p: p["phase_rank"])
+        out[run_id] = Behind(
+            run_id=run_id,
+            phase=top["phase"] or f"#{top['phase_rank']}",
+            rank=top["phase_rank"],
+            rows=top["n"],
+            stuck=top["spent"] == top["n"],
+            waiting=sum(p["n"] for p in phases if p is not top),
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class Overview:
     """The app index's dashboard: everything drawn from one snapshot."""
@@ -107,15 +165,28 @@ class Overview:
     status: LedgerStatus
     runs: list[tuple[str, str, int, str]]  # (key, label, runs, the run list's filter)
     chart: BarChart
-    oldest: list[tuple[EventRunResource, str]]  # (row, age)
+    # (row, age, the later phase it waits behind or None: C8)
+    oldest: list[tuple[EventRunResource, str, Behind | None]]
     running: list[tuple[EventRunStep, str]]  # (step, running for)
     max_age: str  # HEALTH_MAX_UNRESOLVED_AGE, as an operator reads it
     # #28: the history's size (runs, rows) and how old the oldest run kept is.
     history: HistorySize | None = None
     oldest_run: str = ""
+    #: C8: the incomplete runs named whose earlier phases wait behind a later one.
+    behind: list[Behind] = field(default_factory=list)
 
 
 def overview(status: LedgerStatus) -> Overview:
+    # C8: one query for the runs the dashboard names (incomplete, or holding an oldest
+    # row), never one per run.
+    behind = waiting_behind(
+        {r.pk for r in status.incomplete} | {r.run_id for r in status.oldest_rows}
+    )
+
+    def waits(row: EventRunResource) -> Behind | None:
+        b = behind.get(row.run_id)
+        return b if b and row.phase_rank is not None and row.phase_rank < b.rank else None
+
     return Overview(
         status=status,
         # #25: the runs that need watching, each a range of the runs' index; finished
@@ -136,11 +207,12 @@ def overview(status: LedgerStatus) -> Overview:
             ),
         ],
         chart=bar_chart(status.modules),
-        oldest=[(r, duration(status.age(r.created_at))) for r in status.oldest_rows],
+        oldest=[(r, duration(status.age(r.created_at)), waits(r)) for r in status.oldest_rows],
         running=[(s, duration(status.age(s.updated_at))) for s in status.running_steps],
         max_age=duration(status.max_age.total_seconds()),
         history=(history := history_size()),
         oldest_run=duration(status.age(history.oldest_run_at)) if history.oldest_run_at else "",
+        behind=[behind[r.pk] for r in status.incomplete if r.pk in behind],
     )
 
 

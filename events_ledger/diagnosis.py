@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from django.utils import timezone
 from django.utils.translation import gettext as _
-from django.utils.translation import gettext_noop
+from django.utils.translation import gettext_noop, ngettext
 
 from .cleanup import Group, plan_run
 from .conf import ledger_settings
@@ -67,6 +68,40 @@ def find_group(row: EventRunResource) -> tuple[Group | None, list[Group]]:
     return next((g for g in plan if any(r.pk == row.pk for r in g.rows)), None), plan
 
 
+def behind_note(behind: dict[str, Any]) -> str:
+    """C8: why a group waits (``Group.behind``): the later phase of its run given back
+    first, how much of it is left, and whether the sweep will ever get to it."""
+    values = {
+        "phase": behind["phase"],
+        "rows": behind["rows"],
+        "resources": ", ".join(behind["resources"])
+        + (", …" if behind["rows"] > len(behind["resources"]) else ""),
+    }
+    if behind["stuck"]:
+        note = ngettext(
+            "It waits behind phase '%(phase)s' of its run, given back first (the last phase "
+            "first): %(rows)d row of it is unresolved (%(resources)s) and its attempts are "
+            "spent, so no sweep gives it back, nor this row after it. Retry cleanup of its "
+            "run would reset the attempts, give back phase '%(phase)s' first, then call:",
+            "It waits behind phase '%(phase)s' of its run, given back first (the last phase "
+            "first): %(rows)d rows of it are unresolved (%(resources)s) and their attempts "
+            "are spent, so no sweep gives them back, nor this row after them. Retry cleanup "
+            "of its run would reset the attempts, give back phase '%(phase)s' first, then call:",
+            behind["rows"],
+        )
+    else:
+        note = ngettext(
+            "It waits behind phase '%(phase)s' of its run, given back first (the last phase "
+            "first): %(rows)d row of it is still unresolved (%(resources)s). Retry cleanup of "
+            "its run would give back phase '%(phase)s' first, then call:",
+            "It waits behind phase '%(phase)s' of its run, given back first (the last phase "
+            "first): %(rows)d rows of it are still unresolved (%(resources)s). Retry cleanup "
+            "of its run would give back phase '%(phase)s' first, then call:",
+            behind["rows"],
+        )
+    return note % values
+
+
 @dataclass(frozen=True)
 class Diagnosis:
     """The answer to "why is this stuck?" for one ledger row."""
@@ -112,6 +147,8 @@ def diagnose(row: EventRunResource) -> Diagnosis:
         note = _("The run is still %(status)s: cleanup starts when it ends. It would call:") % {
             "status": row.run.status
         }
+    elif group.behind:
+        note = behind_note(group.behind)
     else:
         note = _("Retry cleanup of its run would reset its attempts and call:")
     planned = planned_call(group) if group is not None else None

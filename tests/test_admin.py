@@ -85,6 +85,30 @@ def incomplete_run(**kw) -> EventRun:
     return run
 
 
+def two_phase_run(spent: bool = True, later_rows: int = 2) -> tuple[EventRun, EventRunResource]:
+    """C8: a finished run of phase "a" then phase "b", no module owning either. Phase b's
+    rows (attempts spent unless said) are given back first; a's one row waits behind them."""
+    run = RunFactory(status="completed", cleanup_status="incomplete" if spent else "pending")
+    a = StepFactory(run=run, phase="a", action_id="test.build")
+    b = StepFactory(run=run, phase="b", action_id="test.wall")
+    owner = f"test-{run.pk}"  # the same refs live in several runs of a test
+    early = ResourceFactory(
+        run=run, step=a, phase_rank=a.phase_rank, owner_module=owner, kind="creature", ref="0xa1"
+    )
+    for i in range(1, later_rows + 1):
+        ResourceFactory(
+            run=run,
+            step=b,
+            owner_module=owner,
+            phase_rank=b.phase_rank,
+            kind="wall",
+            ref=f"0xb{i}",
+            revert_attempts=3 if spent else 0,
+            last_error="the wall holds" if spent else None,
+        )
+    return run, early
+
+
 def reconcile(client: Client, row: EventRunResource):
     data = {"action": "reconcile", "index": 0, "_selected_action": [row.pk]}
     return client.post(resources_url(), data, follow=True)
@@ -272,6 +296,87 @@ def test_why_is_this_stuck_names_the_step_in_flight(admin_client):  # S3, the in
     assert f"step #{step.seq} (world.spawn) is in flight on worker-7:4242" in why
     assert "cleanup waits until the call ends" in why
     assert ".revert(" not in why  # no call is made while it waits
+
+
+@pytest.mark.django_db
+def test_why_is_this_stuck_names_the_later_phase_it_waits_behind(admin_client):  # S3, C8
+    run, early = two_phase_run()
+    note = diagnose(early).note
+    assert note.startswith("It waits behind phase 'b' of its run, given back first")
+    assert "2 rows of it are unresolved (wall:0xb1, wall:0xb2)" in note
+    assert "their attempts are spent" in note
+    assert "give back phase 'b' first, then call:" in note
+    why = admin_client.get(row_url(early)).content.decode()
+    why = why[why.index('id="el-why"') :]
+    assert escape(note) in why
+    assert escape("after phase 'b' is given back (2 row(s) of it unresolved") in why
+
+    # C8: a later phase still owed, not stuck: it waits, and a sweep will get to it.
+    pending, row = two_phase_run(spent=False, later_rows=1)
+    note = diagnose(row).note
+    assert "phase 'b'" in note and "1 row of it is still unresolved (wall:0xb1)" in note
+    assert "spent" not in note
+
+
+@pytest.mark.django_db
+def test_a_runs_page_names_the_phase_its_earlier_ones_wait_behind(admin_client):  # S3, C8
+    run, early = two_phase_run()
+    html = admin_client.get(run_url(run)).content.decode()
+    banner = html[html.index('id="el-incomplete"') :]
+    banner = banner[: banner.index("</div>")]
+    behind = banner[banner.index('id="el-behind"') :]
+    behind = " ".join(behind[: behind.index("</p>")].split())
+    assert "Given back first: phase &#x27;b&#x27;." not in behind  # the quotes are the text's
+    assert "Given back first: phase 'b'." in behind
+    assert "1 row of an earlier phase (a) waits behind phase 'b'" in behind
+    assert "which still holds 2 unresolved rows (<code>wall:0xb1, wall:0xb2</code>)" in behind
+    assert "whose attempts are spent" in behind
+    # The row that waits is marked so in the list, the rows it waits for keep their error.
+    item = banner[banner.index(f"eventrunresource/{early.pk}/change/") :]
+    assert "waits behind phase 'b'" in item[: item.index("</li>")]
+    assert banner.count("the wall holds") == 2
+
+    # Cleanup pending, nothing stuck: no banner, the phase named all the same.
+    pending, _ = two_phase_run(spent=False)
+    html = admin_client.get(run_url(pending)).content.decode()
+    assert 'id="el-incomplete"' not in html and 'id="el-behind"' in html
+    assert "whose attempts are spent" not in html
+
+    # A run of one phase has nothing waiting behind another.
+    assert 'id="el-behind"' not in admin_client.get(run_url(incomplete_run())).content.decode()
+
+
+@pytest.mark.django_db
+def test_a_runs_page_names_the_phase_in_the_same_queries_however_many_rows(
+    admin_client,
+):  # S3, C8: the plan of the page's one run, never a query per row or group
+    def queries(run: EventRun) -> int:
+        with CaptureQueriesContext(connection) as ctx:
+            html = admin_client.get(run_url(run)).content.decode()
+        assert 'id="el-behind"' in html
+        return len(ctx.captured_queries)
+
+    small, _ = two_phase_run(later_rows=1)
+    large, _ = two_phase_run(later_rows=30)
+    steps = [StepFactory(run=large, phase="a", action_id=f"test.build{i}") for i in range(10)]
+    for step in steps:
+        ResourceFactory(run=large, step=step, phase_rank=step.phase_rank)
+    assert queries(large) == queries(small)
+
+
+@pytest.mark.django_db
+def test_the_retry_names_the_phase_given_back_first(admin_client):  # S3, C8
+    run, _ = two_phase_run()
+    confirm = retry(admin_client, run, confirm=False).content.decode()
+    assert escape("after phase 'b' is given back (2 row(s) of it unresolved, their attempts") in (
+        confirm
+    )
+    assert "waits behind phase 'b': wall:0xb1, wall:0xb2" in confirm
+    # No module gives phase b back: it fails again, and phase a still waits behind it.
+    done = retry(admin_client, run)
+    [said] = [m for m in messages_of(done) if m.startswith(f"run {run.pk} ")]
+    assert "cleanup incomplete" in said
+    assert "earlier phases wait behind phase 'b' (2 rows of it unresolved)" in said
 
 
 @pytest.mark.django_db

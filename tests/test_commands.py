@@ -15,6 +15,7 @@ from django.core.management import CommandError, call_command
 from events_ledger.ledger import execute_step
 from events_ledger.models import EventRun, EventRunLog, EventRunResource
 from project.world.models import Call, Creature
+from tests.factories import ResourceFactory, RunFactory, StepFactory
 from tests.helpers import new_run, spawn_step, step_ttl
 from tests.processes import ROOT, child_env
 
@@ -287,6 +288,37 @@ def test_dry_run_and_json_name_the_step_cleanup_waits_for(world):  # S1, the inv
     [summary] = json.loads(out)["runs"]
     assert summary["cleanup_status"] == "pending" and summary["waiting"][0]["step"] == step.pk
     assert Res.filter(run=run).unresolved().count() == 1
+
+
+def test_cleanup_runs_names_the_phase_earlier_ones_wait_behind():  # S1, C8
+    # A finished run of phase "a" then "b"; b's rows have spent their attempts.
+    run = RunFactory(status="completed", cleanup_status="incomplete")
+    a = StepFactory(run=run, phase="a", action_id="t.build")
+    b = StepFactory(run=run, phase="b", action_id="t.wall")
+    ResourceFactory(run=run, step=a, phase_rank=a.phase_rank)
+    later = ResourceFactory.create_batch(
+        2, run=run, step=b, phase_rank=b.phase_rank, revert_attempts=3
+    )
+    refs = ", ".join(f"{r.kind}:{r.ref}" for r in later)
+    said = "after phase 'b' is given back (2 row(s) of it unresolved, their attempts spent)"
+    # The dry run says it through the plan's call, and --json through describe().
+    code, out, _ = command("cleanup_runs", "--dry-run", "--run", str(run.pk))
+    assert code == 0 and said in out
+    doc = json.loads(command("cleanup_runs", "--dry-run", "--run", str(run.pk), "--json")[1])
+    [group] = doc["runs"][str(run.pk)]
+    assert group["behind"]["phase"] == "b" and group["behind"]["stuck"] is True
+    # A real cleanup gives nothing back (phase b is stuck) and says what waits behind what.
+    code, out, _ = command("cleanup_runs", "--run", str(run.pk))
+    assert code == 1 and "remaining 3 -> incomplete" in out
+    line = (
+        "  earlier phases wait behind phase 'b': 2 row(s) of it unresolved, "
+        f"their attempts spent ({refs})"
+    )
+    assert line in out.splitlines()
+    code, out, _ = command("cleanup_runs", "--run", str(run.pk), "--json")
+    [summary] = json.loads(out)["runs"]
+    assert code == 1 and [e["phase"] for e in summary["behind"]] == ["b"]
+    assert summary["behind"][0]["resources"] == refs.split(", ")
 
 
 def test_the_human_retrys_log_entry_survives_a_killed_pass(world):  # C4, rule 2, crash

@@ -828,6 +828,53 @@ def test_the_dashboard_costs_the_same_queries_for_few_and_many_rows(admin_client
     assert queries() == few
 
 
+def two_phase_run() -> tuple[EventRun, EventRunResource]:
+    """C8: a finished run of phase "a" then phase "b"; b's two rows have spent their
+    attempts (the run is incomplete), a's one row waits behind them."""
+    run = RunFactory(status="completed", cleanup_status="incomplete")
+    a = StepFactory(run=run, phase="a", action_id="t.build")
+    b = StepFactory(run=run, phase="b", action_id="t.wall")
+    early = ResourceFactory(run=run, step=a, phase_rank=a.phase_rank)
+    ResourceFactory.create_batch(2, run=run, step=b, phase_rank=b.phase_rank, revert_attempts=3)
+    return run, early
+
+
+@pytest.mark.django_db
+def test_the_dashboard_names_the_phase_an_incomplete_run_waits_behind(admin_client):  # #15, C8
+    run, early = two_phase_run()
+    html = admin_client.get(reverse("admin:app_list", args=["events_ledger"])).content.decode()
+    health = html[html.index('id="el-health"') : html.index('id="el-runs-by-cleanup"')]
+    behind = health[health.index('id="el-behind"') :]
+    behind = " ".join(behind[: behind.index("</ul>")].split())
+    assert f'eventrun/{run.pk}/change/">run {run.pk}</a>' in behind
+    assert "1 row waits behind phase 'b' (2 rows of it unresolved, their attempts spent)" in behind
+    # The oldest row is the one that waits: said beside its status.
+    oldest = html[html.index('id="el-oldest"') : html.index('id="el-in-flight"')]
+    first = oldest[oldest.index(f"eventrunresource/{early.pk}/change/") :]
+    assert "waits behind phase 'b'" in first[: first.index("</tr>")]
+    assert oldest.count("waits behind phase") == 1  # phase b's own rows wait for nothing
+
+
+@pytest.mark.django_db
+def test_the_dashboard_names_the_phases_in_the_same_queries_for_one_and_many_runs(
+    admin_client,
+):  # #15, C8: one query for every run it names, never one per run
+    url = reverse("admin:app_list", args=["events_ledger"])
+
+    def queries(runs: int) -> int:
+        with CaptureQueriesContext(connection) as q:
+            html = admin_client.get(url).content.decode()
+        behind = html[html.index('id="el-behind"') : html.index('id="el-runs-by-cleanup"')]
+        assert behind.count("<li>") == runs
+        return len(q)
+
+    two_phase_run()
+    one = queries(1)
+    for _ in range(11):
+        two_phase_run()
+    assert queries(10) == one  # the first DETAIL_LIMIT incomplete runs are named
+
+
 @pytest.mark.django_db
 def test_the_dashboard_is_for_those_who_may_see_the_runs():  # #15, S3 permissions
     url = reverse("admin:app_list", args=["events_ledger"])

@@ -248,6 +248,19 @@ class Command(LedgerCommand):
                         "since": w["claimed_at"],
                     }
                 )
+            for b in s.behind:
+                # C8: the later phase the run's earlier phases still wait behind.
+                line = _(
+                    "  earlier phases wait behind phase '%(phase)s': %(rows)d row(s) of it "
+                    "unresolved%(spent)s (%(resources)s)"
+                ) % {
+                    "phase": b["phase"],
+                    "rows": b["rows"],
+                    "spent": _(", their attempts spent") if b["stuck"] else "",
+                    "resources": ", ".join(b["resources"])
+                    + (", …" if b["rows"] > len(b["resources"]) else ""),
+                }
+                self.stdout.write(line)
             if self.verbosity >= 2:
                 for g in s.groups:
                     line = (
