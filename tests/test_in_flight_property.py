@@ -8,6 +8,11 @@ human retries and gates opening (late calls finishing). Nothing is mocked: the c
 run in the deadline's threads against the real database. When everything has
 quiesced, every run is ended and swept, and the world must be as it started.
 
+Each step is planned in one of a few phases, drawn in any order (a run's phases rank
+in the order it first plans them), or made by an action whose resources stand alone.
+Every give-back checks C8 as it enters the world: no later phase of its run holds
+anything, however the sweeps, human retries and late answers interleaved.
+
 The short version runs in ``make test``. The long one (a few minutes), on the database
 ``DATABASE_URL`` names::
 
@@ -28,7 +33,7 @@ from typing import Any
 import pytest
 from django.db import connections
 from django.db.models import Count
-from hypothesis import HealthCheck
+from hypothesis import HealthCheck, event
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -48,7 +53,8 @@ from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from project.world import world as w
 from project.world.models import Call, Creature
-from tests.helpers import PATIENCE_S, Gate, in_thread, new_run, new_step, wait_until
+from tests.factories import StepFactory
+from tests.helpers import PATIENCE_S, Gate, in_thread, new_run, wait_until
 
 Res = EventRunResource.objects
 
@@ -64,8 +70,13 @@ TIMINGS = ("prompt", "held", "late")
 ANSWERS = ("ok", "lost", "partial", "refused")
 BUDGET_MS = {"prompt": 30_000, "held": 30_000, "late": 150}
 TERMINAL_TO = ("cancelled", "failed", "completed")
+#: C8: a step's phase; "main" sorts before "setup", so only the rank can order them.
+PHASES = ("setup", "main", "finish")
 TIMING = st.sampled_from(TIMINGS)
 ANSWER = st.sampled_from(ANSWERS)
+PHASE = st.sampled_from(PHASES)
+#: C8: made by an ``Action(independent=True)``: its rows stand alone (no rank).
+ALONE = st.sampled_from([False, False, True])
 COUNT = st.integers(1, 3)
 #: A step of the example, by its index (modulo how many there are).
 WHICH = st.integers(0, 31)
@@ -73,8 +84,8 @@ FINAL_STEP = ("done", "failed", "refused")  # a step in these is never called ag
 OUR_THREADS = "events-ledger:prop."
 
 
-def action_id(timing: str, answer: str) -> str:
-    return f"prop.{timing}.{answer}"
+def action_id(timing: str, answer: str, alone: bool = False) -> str:
+    return f"prop.{timing}.{answer}" + (".alone" if alone else "")
 
 
 class Harness:
@@ -89,6 +100,8 @@ class Harness:
         self.most_inside: Counter[str] = Counter()
         self.gates: dict[str, Gate] = {}
         self.violations: list[str] = []
+        #: C8: the rank of every ranked give-back the world received, per run, in order.
+        self.given_back: dict[int, list[int]] = {}
 
     @contextmanager
     def call(self, key: str) -> Iterator[None]:
@@ -112,6 +125,45 @@ HARNESS = Harness()
 
 def _give_backs(key: str) -> int:
     return Call.objects.filter(verb="despawn", idempotency_key=key).count()
+
+
+def _out_of_order(run_id: int, key: str) -> str | None:
+    """C8, read as a give-back of a ranked step enters the world: nothing of a later
+    phase of its run is unresolved (rows standing alone aside), and no ranked step of a
+    later phase is in flight. The claim decided this before the call, and the run has
+    ended since before then, so nothing can have started between the two."""
+    rank = EventRunStep.objects.filter(idempotency_key=key).values_list("phase_rank", flat=True)[0]
+    with HARNESS.lock:
+        HARNESS.given_back.setdefault(run_id, []).append(rank)
+    later_rows = list(
+        Res.unresolved()
+        .filter(run_id=run_id, phase_rank__gt=rank)
+        .values_list("pk", "kind", "ref", "phase_rank", "status")
+    )
+    later_steps = list(
+        EventRunStep.objects.in_flight(ledger_settings.STEP_CLAIM_TTL)
+        .filter(run_id=run_id, phase_rank__gt=rank)
+        .exclude(action_id__endswith=".alone")
+        .values_list("pk", "phase", "phase_rank")
+    )
+    if not later_rows and not later_steps:
+        return None
+    return (
+        f"run {run_id}: step {key} of rank {rank} given back while later phases hold "
+        f"rows {later_rows} and steps in flight {later_steps}"
+    )
+
+
+def make_revert(alone: bool) -> Callable[..., Any]:
+    def revert(*, run_id: int, resources: list[dict[str, Any]], idempotency_key: str) -> Any:
+        if not alone:
+            found = _out_of_order(run_id, idempotency_key)
+            if found:
+                with HARNESS.lock:
+                    HARNESS.violations.append(found)
+        return w.despawn(run_id=run_id, resources=resources, idempotency_key=idempotency_key)
+
+    return revert
 
 
 def make_perform(timing: str, answer: str) -> Callable[..., Any]:
@@ -152,9 +204,15 @@ class StepRef:
     key: str
     timing: str
     answer: str
+    phase: str
+    alone: bool
 
     def __repr__(self) -> str:
-        return f"StepRef(pk={self.pk}, run={self.run_pk}, {self.timing}.{self.answer})"
+        alone = ", alone" if self.alone else ""
+        return (
+            f"StepRef(pk={self.pk}, run={self.run_pk}, {self.timing}.{self.answer}, "
+            f"{self.phase}{alone})"
+        )
 
 
 class InFlightMachine(RuleBasedStateMachine):
@@ -177,6 +235,8 @@ class InFlightMachine(RuleBasedStateMachine):
         self.all_steps: list[StepRef] = []
         self.threads: list[tuple[threading.Thread, dict[str, Any], StepRef]] = []
         self.seq = 0
+        #: C8: each run's phases in the order it first planned them (their ranks).
+        self.phases: dict[int, list[str]] = {}
 
     # ── the world's calls ──
 
@@ -195,10 +255,12 @@ class InFlightMachine(RuleBasedStateMachine):
             )
         return box
 
-    @initialize(target=runs, timing=TIMING, answer=ANSWER, count=COUNT)
-    def first_run_with_a_step(self, timing: str, answer: str, count: int) -> int:
+    @initialize(target=runs, timing=TIMING, answer=ANSWER, count=COUNT, phase=PHASE, alone=ALONE)
+    def first_run_with_a_step(
+        self, timing: str, answer: str, count: int, phase: str, alone: bool
+    ) -> int:
         run = self._new_run("running")
-        self._start_step(run, timing, answer, count)
+        self._start_step(run, timing, answer, count, phase, alone)
         return run
 
     def _new_run(self, status: str) -> int:
@@ -210,19 +272,30 @@ class InFlightMachine(RuleBasedStateMachine):
     def new_run(self, status: str) -> int:
         return self._new_run(status)
 
-    @rule(run=runs, timing=TIMING, answer=ANSWER, count=COUNT)
-    def start_step(self, run: int, timing: str, answer: str, count: int) -> None:  # W5
-        self._start_step(run, timing, answer, count)
+    @rule(run=runs, timing=TIMING, answer=ANSWER, count=COUNT, phase=PHASE, alone=ALONE)
+    def start_step(  # W5, C8
+        self, run: int, timing: str, answer: str, count: int, phase: str, alone: bool
+    ) -> None:
+        self._start_step(run, timing, answer, count, phase, alone)
 
-    def _start_step(self, run: int, timing: str, answer: str, count: int) -> None:
+    def _start_step(
+        self, run: int, timing: str, answer: str, count: int, phase: str, alone: bool
+    ) -> None:
         self.seq += 1
-        step = new_step(
-            EventRun.objects.get(pk=run),
-            action_id(timing, answer),
-            {"count": count, "region": "north"},
+        step = StepFactory(
+            run=EventRun.objects.get(pk=run),
+            phase=phase,
+            action_id=action_id(timing, answer, alone),
+            params={"count": count, "region": "north"},
             seq=self.seq,
         )
-        ref = StepRef(step.pk, run, step.idempotency_key, timing, answer)
+        # C8: phases rank in the order the run first plans them.
+        planned = self.phases.setdefault(run, [])
+        if phase not in planned:
+            planned.append(phase)
+        step.refresh_from_db(fields=["phase_rank"])
+        assert step.phase_rank == planned.index(phase), (step.phase_rank, planned)
+        ref = StepRef(step.pk, run, step.idempotency_key, timing, answer, phase, alone)
         HARNESS.gates[ref.key] = Gate()
         self.all_steps.append(ref)
         box = self._execute(ref)
@@ -301,6 +374,18 @@ class InFlightMachine(RuleBasedStateMachine):
             assert not HARNESS.violations, HARNESS.violations
 
     @invariant()
+    def a_row_takes_its_steps_phase_rank(self) -> None:  # C8
+        """Copied when the row is recorded; NULL when its action's rows stand alone."""
+        wrong = [
+            (pk, rank, step_rank)
+            for pk, rank, step_rank, action in Res.values_list(
+                "pk", "phase_rank", "step__phase_rank", "step__action_id"
+            )
+            if rank != (None if action is None or action.endswith(".alone") else step_rank)
+        ]
+        assert not wrong, f"rows whose rank is not their step's: {wrong}\n{self._dump()}"
+
+    @invariant()
     def no_row_is_left_reverting_between_passes(self) -> None:  # R5, C4
         assert not Res.filter(status="reverting").exists()
 
@@ -376,7 +461,10 @@ class InFlightMachine(RuleBasedStateMachine):
             agrees = ("complete",) if pk in with_rows else ("complete", "not_required")
             assert status in agrees, f"run {pk} says {status}, its rows say {agrees}"
         assert max(HARNESS.most_inside.values(), default=0) <= 1, HARNESS.most_inside
-        assert not HARNESS.violations, HARNESS.violations
+        assert not HARNESS.violations, f"{HARNESS.violations}\n{self._dump()}"
+        # How much of C8 the example exercised: runs given back over several phases.
+        phases = max((len(set(ranks)) for ranks in HARNESS.given_back.values()), default=0)
+        event(f"C8: the most phases one run gave back: {phases}")
 
     def _sweep_until_quiet(self) -> int:
         for passes in range(1, 6):
@@ -389,24 +477,33 @@ class InFlightMachine(RuleBasedStateMachine):
     def _human_retry_for_timeouts(self) -> None:
         """A revert shares its action's budget: under load the late action's 150 ms can
         run out while giving back, and three of those leave a row for a human. That, and
-        only that, is retried here the human's way; any other spent row is a finding."""
-        spent = Res.unresolved().filter(revert_attempts__gte=ledger_settings.MAX_REVERT_ATTEMPTS)
-        if not spent.exists():
-            return
-        errors = set(spent.values_list("last_error", flat=True))
-        assert all(e and "did not answer within" in e for e in errors), (
-            f"rows spent their attempts: {errors}\n{self._dump()}"
-        )
-        for run in set(spent.values_list("run_id", flat=True)):
-            cleanup_run(run, reset_attempts=True, actor="prop")
-        self._sweep_until_quiet()
+        only that, is retried here the human's way; any other spent row is a finding.
+        C8: a later phase spent so holds the earlier ones, which get their first try only
+        after the retry (and may run out in turn): a few rounds of it, then the verdict."""
+        for _ in range(len(PHASES) + 1):
+            spent = Res.unresolved().filter(
+                revert_attempts__gte=ledger_settings.MAX_REVERT_ATTEMPTS
+            )
+            if not spent.exists():
+                return
+            errors = set(spent.values_list("last_error", flat=True))
+            assert all(e and "did not answer within" in e for e in errors), (
+                f"rows spent their attempts: {errors}\n{self._dump()}"
+            )
+            for run in set(spent.values_list("run_id", flat=True)):
+                cleanup_run(run, reset_attempts=True, actor="prop")
+            self._sweep_until_quiet()
 
     def _dump(self) -> str:
         runs = list(EventRun.objects.values_list("pk", "status", "cleanup_status"))
         steps = list(
-            EventRunStep.objects.values_list("pk", "run_id", "action_id", "status", "attempts")
+            EventRunStep.objects.values_list(
+                "pk", "run_id", "action_id", "phase", "phase_rank", "status", "attempts"
+            )
         )
-        rows = list(Res.values_list("pk", "run_id", "step_id", "kind", "ref", "status"))
+        rows = list(
+            Res.values_list("pk", "run_id", "step_id", "phase_rank", "kind", "ref", "status")
+        )
         calls = list(Call.objects.values_list("verb", "idempotency_key", "refs"))
         return f"runs={runs}\nsteps={steps}\nrows={rows}\ncalls={calls}"
 
@@ -417,17 +514,19 @@ def test_the_invariant_holds_whatever_the_interleaving(
 ) -> None:  # the invariant, W5, C4
     for timing in TIMINGS:
         for answer in ANSWERS:
-            isolated_registry.register_action(
-                Action(
-                    id=action_id(timing, answer),
-                    owner="world",
-                    reversible="ledger",
-                    budget_ms=BUDGET_MS[timing],
-                    perform=make_perform(timing, answer),
-                    revert=w.despawn,
-                    reconcile=w.still_there,
+            for alone in (False, True):
+                isolated_registry.register_action(
+                    Action(
+                        id=action_id(timing, answer, alone),
+                        owner="world",
+                        reversible="ledger",
+                        budget_ms=BUDGET_MS[timing],
+                        perform=make_perform(timing, answer),
+                        revert=make_revert(alone),
+                        reconcile=w.still_there,
+                        independent=alone,
+                    )
                 )
-            )
     run_state_machine_as_test(
         InFlightMachine,
         settings=hsettings(
