@@ -78,10 +78,19 @@ class Group:
     #: The step that made these rows is in flight (a call of it may still change the
     #: world): who holds it and since when. Cleanup waits for it.
     waiting_for: dict[str, Any] | None = None
+    #: C8: a later phase of the run still holds rows (``behind``): its name, rank, how
+    #: many rows, a few of them, and whether their attempts are spent (stuck until a
+    #: human retries). This group is given back only after that phase.
+    behind: dict[str, Any] | None = None
 
     @property
     def run_id(self) -> int:
         return self.rows[0].run_id
+
+    @property
+    def rank(self) -> int | None:
+        """C8: the rank of the phase that made these rows; None: they stand alone."""
+        return self.rows[0].phase_rank
 
     @property
     def by_key(self) -> bool:
@@ -103,9 +112,18 @@ class Group:
                 f"{w['claimed_by'] or 'an unknown host'} since {w['claimed_at']}"
             )
         if self.lease_ref:
-            return f"restore {self.lease_ref}"
-        refs = [] if self.by_key else [f"{r.kind}:{r.ref}" for r in self.rows]
-        return f"{self.action_id}.revert(key={self.idempotency_key}, resources={refs})"
+            call = f"restore {self.lease_ref}"
+        else:
+            refs = [] if self.by_key else [f"{r.kind}:{r.ref}" for r in self.rows]
+            call = f"{self.action_id}.revert(key={self.idempotency_key}, resources={refs})"
+        if self.behind:
+            b = self.behind
+            spent = ", their attempts spent" if b["stuck"] else ""
+            call += (
+                f", after phase {b['phase']!r} is given back "
+                f"({b['rows']} row(s) of it unresolved{spent})"
+            )
+        return call
 
     def describe(self, limit: int | None = None) -> dict[str, Any]:
         refs = [f"{r.kind}:{r.ref}" for r in self.rows]
@@ -117,6 +135,7 @@ class Group:
             "resources": refs if limit is None else bounded(refs, limit),
             "problem": self.problem,
             "waiting_for": self.waiting_for,
+            "behind": self.behind,
         }
 
 
@@ -185,21 +204,68 @@ def _waiting_for(step_id: Any, step: tuple[Any, ...] | None) -> dict[str, Any] |
 
 def _groups_for(runs: Sequence[EventRun], human: bool) -> list[Group]:
     """The groups a pass gives back, for every run of its batch: one read of the rows,
-    one of their steps, then at most ``CLEANUP_GROUPS_PER_RUN`` groups per run."""
-    rows = Res.unresolved_for_runs(
-        runs,
-        max_attempts=None if human else ledger_settings.MAX_REVERT_ATTEMPTS,
-        max_claims=None if human else ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
-    )
+    one of their steps (and, C8, one of the names of the phases earlier ones wait
+    behind), then at most ``CLEANUP_GROUPS_PER_RUN`` groups per run that may go now,
+    the last phase first, and those that wait behind a later phase after them."""
+    max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
+    max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
+    rows = list(Res.unresolved_for_runs(runs))
+
+    def spent(row: EventRunResource) -> bool:
+        return row.revert_attempts >= max_attempts or row.claim_count >= max_claims
+
+    retryable = rows if human else [r for r in rows if not spent(r)]
+    groups = group_rows(retryable, ledger_settings.STEP_CLAIM_TTL)
+    if ledger_settings.GIVE_BACK_IN_ORDER:
+        _mark_behind(groups, rows, spent)
     cap = ledger_settings.CLEANUP_GROUPS_PER_RUN
     taken: dict[int, int] = {}
-    groups = []
-    for group in group_rows(rows, ledger_settings.STEP_CLAIM_TTL):
+    out = []
+    # The last phase first; rows standing alone with them.
+    for group in sorted(groups, key=lambda g: (g.behind is not None, -(g.rank or 0))):
         n = taken.get(group.run_id, 0)
         if n < cap:
             taken[group.run_id] = n + 1
-            groups.append(group)
-    return groups
+            out.append(group)
+    return out
+
+
+#: How many of the rows an earlier phase waits behind are named.
+BEHIND_NAMED = 5
+
+
+def _mark_behind(
+    groups: list[Group],
+    rows: list[EventRunResource],
+    spent: Callable[[EventRunResource], bool],
+) -> None:
+    """C8: mark each group that a later phase of its run still holds (``behind``): the
+    run's last phase with an unresolved row, whose rows go first. The claim decides
+    again in its own statement; this is what the pass and the console say."""
+    last: dict[int, list[EventRunResource]] = {}
+    for row in rows:
+        if row.phase_rank is None:
+            continue  # standing alone: holds nothing
+        top = last.get(row.run_id)
+        if top is None or row.phase_rank > top[0].phase_rank:
+            last[row.run_id] = [row]
+        elif row.phase_rank == top[0].phase_rank:
+            top.append(row)
+    held = [g for g in groups if g.rank is not None and g.rank < last[g.run_id][0].phase_rank]
+    if not held:
+        return
+    step_ids = {r.step_id for g in held for r in last[g.run_id] if r.step_id is not None}
+    phases = dict(EventRunStep.objects.filter(pk__in=step_ids).values_list("pk", "phase"))
+    for group in held:
+        top = last[group.run_id]
+        names = [phases.get(r.step_id) for r in top]
+        group.behind = {
+            "phase": next((n for n in names if n), None) or f"#{top[0].phase_rank}",
+            "rank": top[0].phase_rank,
+            "rows": len(top),
+            "resources": [f"{r.kind}:{r.ref}" for r in top[:BEHIND_NAMED]],
+            "stuck": all(spent(r) for r in top),
+        }
 
 
 def plan_run(run: EventRun | int, reset_attempts: bool = False) -> list[Group]:
@@ -293,6 +359,21 @@ class CleanupSummary:
     groups: list[dict[str, Any]] = field(default_factory=list)
     #: Steps in flight this cleanup waited for (their rows were left for a later pass).
     waiting: list[dict[str, Any]] = field(default_factory=list)
+    #: C8: the later phase whose rows earlier phases still wait behind, once the
+    #: cleanup ended (``Group.behind``); empty when nothing waits.
+    behind: list[dict[str, Any]] = field(default_factory=list)
+    #: C8: how many rounds it took, one per phase given back after a later one.
+    rounds: int = 0
+
+    def add_round(self, later: CleanupSummary) -> None:
+        """Fold in what a later round of the same cleanup did (C8)."""
+        for name in ("attempted", "reverted", "drifted", "failed", "fenced"):
+            setattr(self, name, getattr(self, name) + getattr(later, name))
+        self.remaining, self.cleanup_status = later.remaining, later.cleanup_status
+        self.errors += later.errors
+        self.groups += later.groups
+        self.waiting, self.behind = later.waiting, later.behind
+        self.rounds += later.rounds
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -369,13 +450,46 @@ def _work_runs(
     reset: int | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> list[CleanupSummary]:
-    """C4 over a batch of runs, in a number of statements that does not grow with the
-    number of runs or groups: one read of the rows (and one of their steps), one claim
-    transaction, the module calls in parallel (``CLEANUP_CONCURRENCY`` at a time, each
-    under its own deadline, none inside a transaction), then one transaction that
-    writes every verdict (a statement per kind of verdict, fenced by the claim's
-    token) and one that settles every summary and inserts every log entry."""
-    summaries = {run.pk: CleanupSummary(run_id=run.pk, reset=reset) for run in runs}
+    """C4 over a batch of runs, round after round (C8): each round gives back what may
+    go now, the last phase of each run with an unresolved row; a run whose earlier
+    phases waited behind it and whose round gave something back goes round again. A
+    round's statements do not grow with the number of runs or groups, so a cleanup
+    costs a constant number of statements per phase."""
+    summaries: dict[int, CleanupSummary] = {}
+    todo = list(runs)
+    while todo:
+        done = _work_round(todo, human=human, actor=actor, reset=reset, should_stop=should_stop)
+        for summary in done:
+            if summary.run_id in summaries:
+                summaries[summary.run_id].add_round(summary)
+            else:
+                summaries[summary.run_id] = summary
+        # What waited behind a phase this round gave back may go now; a phase that gave
+        # nothing back (failed, drifted, its rows claimed elsewhere) still holds.
+        again = {s.run_id for s in done if s.behind and s.reverted}
+        todo = [run for run in todo if run.pk in again]
+        if should_stop is not None and should_stop():
+            break
+        reset = None  # the human's reset is logged once, by the first round
+    return [summaries[run.pk] for run in runs]
+
+
+def _work_round(
+    runs: Sequence[EventRun],
+    *,
+    human: bool,
+    actor: str | None,
+    reset: int | None,
+    should_stop: Callable[[], bool] | None,
+) -> list[CleanupSummary]:
+    """One round of C4 over a batch of runs, in a number of statements that does not
+    grow with the number of runs or groups: one read of the rows (and one of their
+    steps), one claim transaction, the module calls in parallel
+    (``CLEANUP_CONCURRENCY`` at a time, each under its own deadline, none inside a
+    transaction), then one transaction that writes every verdict (a statement per kind
+    of verdict, fenced by the claim's token) and one that settles every summary and
+    inserts every log entry."""
+    summaries = {run.pk: CleanupSummary(run_id=run.pk, reset=reset, rounds=1) for run in runs}
     log = _LogBuffer()
     claimable: list[Group] = []
     for group in _groups_for(runs, human):
@@ -384,6 +498,11 @@ def _work_runs(
             # or the give-back by key runs before the object exists. The run stays
             # pending and a later pass comes back.
             summaries[group.run_id].waiting.append(group.waiting_for)
+        elif group.behind:
+            # C8: a later phase of the run still holds rows; this group goes after it.
+            behind = summaries[group.run_id].behind
+            if group.behind not in behind:
+                behind.append(group.behind)
         else:
             claimable.append(group)
     token: str | None = None
@@ -624,6 +743,7 @@ def _claim(
             ledger_settings.REVERT_CLAIM_TTL,
             released=any(r.status in RELEASED_UNCLEAN for r in rows),
             step_ttl=ledger_settings.STEP_CLAIM_TTL,
+            ordered=ledger_settings.GIVE_BACK_IN_ORDER,
         )
     )
     run_of = {row.pk: row.run_id for row in rows}
@@ -818,7 +938,10 @@ def _settle_and_log(
 
     EventRun.objects.lock(summaries)
     settled = EventRun.objects.settle_cleanups(
-        summaries, ledger_settings.MAX_REVERT_ATTEMPTS, ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
+        summaries,
+        ledger_settings.MAX_REVERT_ATTEMPTS,
+        ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
+        ledger_settings.GIVE_BACK_IN_ORDER,
     )
     for summary in summaries.values():
         summary.cleanup_status, summary.remaining = settled[summary.run_id]
@@ -960,7 +1083,9 @@ def _sweep(
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
     _finish_earlier_passes()
     try:
-        report.repaired_runs = candidates.repair_cleanup_summaries(max_attempts, max_claims)
+        report.repaired_runs = candidates.repair_cleanup_summaries(
+            max_attempts, max_claims, ledger_settings.GIVE_BACK_IN_ORDER
+        )
         signals.summaries_repaired(report.repaired_runs)  # #15: after the repair's commit
     except DatabaseError as exc:
         logger.exception("repairing cleanup summaries failed; the pass goes on without it")
@@ -969,7 +1094,11 @@ def _sweep(
     batch = limit or ledger_settings.CLEANUP_RUN_BATCH
     runs = retrying_deadlocks(
         lambda: candidates.needing_cleanup(
-            batch, max_attempts, max_claims, step_ttl=ledger_settings.STEP_CLAIM_TTL
+            batch,
+            max_attempts,
+            max_claims,
+            step_ttl=ledger_settings.STEP_CLAIM_TTL,
+            ordered=ledger_settings.GIVE_BACK_IN_ORDER,
         )
     )
     runs = [run for run in runs if run.status in EventRun.TERMINAL]

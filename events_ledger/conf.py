@@ -41,6 +41,10 @@ DEFAULTS: dict[str, Any] = {
     # #28: how long a finished run that owes nothing is kept before `prune_ledger` (or
     # its task) removes it with its steps, rows and log. None keeps every run for ever.
     "RETENTION": None,
+    # #26, C8: a run's resources are given back in reverse order of the phases that
+    # made them (the last phase first). False gives every group back at once, in no
+    # order, for worlds where nothing depends on anything.
+    "GIVE_BACK_IN_ORDER": True,
 }
 
 #: A shorter bearer token is guessable; the check says so at start-up.
@@ -154,6 +158,7 @@ class LedgerSettings:
     METRICS_TOKEN = _Token()
     FAST_PATH = _Flag()
     RETENTION = _Retention()
+    GIVE_BACK_IN_ORDER = _Flag()
 
     def _user(self) -> dict[str, Any]:
         value = getattr(django_settings, "EVENTS_LEDGER", None) or {}

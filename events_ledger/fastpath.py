@@ -168,6 +168,7 @@ def claim(
     max_attempts: int,
     owner: str,
     payload: Mapping[str, Any],
+    ordered: bool = True,
 ) -> Claimed | None:
     """The claim of a step not read first, in one compound statement that commits at its
     end: the run's dirty mark (matching tells the run has not ended; else its status is
@@ -181,7 +182,7 @@ def claim(
     steps = EventRunStep.objects
     token = steps.new_claim_token()
     if connections[DEFAULT_DB_ALIAS].vendor == "postgresql":
-        return _claim_in_one_statement(step, token, ttl, by, max_attempts, owner, payload)
+        return _claim_in_one_statement(step, token, ttl, by, max_attempts, owner, payload, ordered)
     runs = EventRun.objects.all()
     live_sql, live_params = runs.live_statement(step.run_id)
     parts: list[Statement] = [
@@ -196,7 +197,9 @@ def claim(
         (f"SET live = IF(marked = 1, 1, EXISTS({live_sql}))", list(live_params)),
         steps.claim_unread_statement(step, ttl, by, max_attempts, token, live="live"),
         ("SET claimed = ROW_COUNT()", []),
-        EventRunResource.objects.placeholder_insert(step, owner, payload, only_if="claimed = 1"),
+        EventRunResource.objects.placeholder_insert(
+            step, owner, payload, ordered=ordered, only_if="claimed = 1"
+        ),
         ("SET inserted_rows = ROW_COUNT(), inserted_id = LAST_INSERT_ID()", []),
         steps.claimed_in_block_statement(step),
         ("COMMIT", []),
@@ -223,6 +226,7 @@ def _claim_in_one_statement(
     max_attempts: int,
     owner: str,
     payload: Mapping[str, Any],
+    ordered: bool,
 ) -> Claimed | None:
     """``claim`` on PostgreSQL: one statement, so one transaction in autocommit. The
     run's mark and the claim are CTEs (each runs to completion, read or not); the claim
@@ -235,7 +239,7 @@ def _claim_in_one_statement(
         step, ttl, by, max_attempts, token, live=None
     )
     insert_sql, insert_params = EventRunResource.objects.placeholder_insert(
-        step, owner, payload, only_if="claimed"
+        step, owner, payload, ordered=ordered, only_if="claimed"
     )
     statement = (
         f"WITH marked AS ({mark_sql} RETURNING 1), "
@@ -281,6 +285,7 @@ def finish(
     owner: str,
     rows: Sequence[Mapping[str, Any]],
     placeholder_id: int,
+    ordered: bool = True,
 ) -> bool:
     """The outcome of a clean answer (``done``, fenced by the claim), its rows and the
     placeholder's resolution in one compound statement, committed only when each did
@@ -290,7 +295,7 @@ def finish(
     under this claim (the outcome, the rows and the placeholder committed together)."""
     statements = [EventRunStep.objects.settle_statement(step, token, StepStatus.DONE)]
     if rows:
-        insert = EventRunResource.objects.record_statement(run, step, owner, rows)
+        insert = EventRunResource.objects.record_statement(run, step, owner, rows, ordered)
         if insert is None:
             return False  # more rows than one INSERT takes
         statements.append(insert)

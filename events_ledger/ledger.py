@@ -88,6 +88,7 @@ def _reserve_placeholder(run: Any, step: EventRunStep, action: Action) -> int | 
         action.owner,
         step.idempotency_key,
         {"action": action.id, "phase": step.phase, "seq": step.seq},
+        ordered=not action.independent,
     )
 
 
@@ -219,7 +220,7 @@ def _write_rows(
             "; ".join(bounded(out.rejected, 3)),
         )
     if rows:
-        out.recorded = _insert(run_id, step, action.owner, list(rows.values()))
+        out.recorded = _insert(run_id, step, action, list(rows.values()))
         # Held by this run (this step's earlier attempt, or another of its steps):
         # already recorded, skipped silently. Held by another run: said, by its id.
         # When every target went in, nobody else holds any: no need to ask.
@@ -249,10 +250,12 @@ def _write_rows(
     return out
 
 
-def _insert(run_id: int, step: EventRunStep, owner: str, rows: list[dict[str, Any]]) -> int:
+def _insert(run_id: int, step: EventRunStep, action: Action, rows: list[dict[str, Any]]) -> int:
     # The unique key decides: a target already held (by this step's earlier attempt,
     # or by anyone) is skipped by the database, never checked first.
-    return EventRunResource.objects.bulk_record(run_id, step, owner, rows)
+    return EventRunResource.objects.bulk_record(
+        run_id, step, action.owner, rows, ordered=not action.independent
+    )
 
 
 # ── W5, W6 ──
@@ -441,6 +444,7 @@ def _begin_fast(step_id: int, known: EventRunStep | None) -> _Begun | StepResult
         max_attempts=max_attempts,
         owner=action.owner,
         payload={"action": action.id, "phase": step.phase, "seq": step.seq},
+        ordered=not action.independent,
     )
     if won is None:
         return None
@@ -583,7 +587,15 @@ def _finish_fast(b: _Begun, call: CallResult) -> StepResult | None:
         if not answer.ledgered or answer.rejected:
             return None
         rows = list(answer.rows.values())
-        done = fastpath.finish(b.step, b.token, b.run, b.action.owner, rows, b.placeholder_id)
+        done = fastpath.finish(
+            b.step,
+            b.token,
+            b.run,
+            b.action.owner,
+            rows,
+            b.placeholder_id,
+            not b.action.independent,
+        )
     except Exception:
         # Neither written nor read back (the server is away): the general path tries,
         # and, failing too, the outcome alone, as it does for its own failures.
@@ -781,6 +793,7 @@ def _lease(run: EventRun, step: EventRunStep, token: str) -> StepResult:
             # No baseline yet: a row without one was never applied (see cleanup).
             payload={"applied": value},
             lease_until=lease_until,
+            ordered=not lease.independent,
         )
         if not answer.ok:
             holder = answer.holder

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 from django.db.models import Case, Q, Value, When
+from django.db.models.expressions import DatabaseDefault
 from django.utils import timezone
 
 from .db import KeyCharField
@@ -76,6 +78,11 @@ class EventRunStep(models.Model):
 
     run = models.ForeignKey(EventRun, on_delete=models.CASCADE, related_name="steps")
     phase = models.CharField(max_length=64, default="main")
+    # C8: the phase's place in its run. Phases run in rank order and are given back in
+    # reverse; a name compared as text would run "main" before "setup". Left unset, a
+    # step takes its phase's rank in the run, or one past the run's last (``save``):
+    # phases rank in the order they are first planned.
+    phase_rank = models.PositiveIntegerField(db_default=0)
     seq = models.PositiveIntegerField(default=0)
     action_id = models.CharField(max_length=128)
     params = models.JSONField(default=dict, blank=True, encoder=DjangoJSONEncoder)
@@ -100,7 +107,7 @@ class EventRunStep(models.Model):
 
     class Meta:
         verbose_name = "event run step"
-        ordering = ["run_id", "phase", "seq", "id"]
+        ordering = ["run_id", "phase_rank", "phase", "seq", "id"]
         indexes = [
             models.Index(fields=["run", "status"], name="evstep_run_status_idx"),
             # The claim keeper re-stamps its claims by token.
@@ -112,6 +119,11 @@ class EventRunStep(models.Model):
 
     def __str__(self) -> str:
         return f"step {self.pk} {self.action_id}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if self._state.adding and isinstance(self.phase_rank, DatabaseDefault):
+            self.phase_rank = EventRunStep.objects.rank_for(self.run_id, self.phase)
+        super().save(*args, **kwargs)
 
 
 class EventRunResource(models.Model):
@@ -135,6 +147,11 @@ class EventRunResource(models.Model):
     payload = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
     lease_until = models.DateTimeField(null=True, blank=True)
     member_key = models.CharField(max_length=190, null=True, blank=True)
+    # C8: the rank of the phase whose step made the row, copied when it is recorded, so
+    # the claim orders a run's rows within this one table. NULL: the row stands alone
+    # (its action or lease says so, it has no step, or it was recorded before #26),
+    # given back whenever, never waiting for a later phase nor holding an earlier one.
+    phase_rank = models.PositiveIntegerField(null=True, blank=True, editable=False)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     revert_attempts = models.PositiveIntegerField(default=0)
     last_error = models.CharField(max_length=500, null=True, blank=True)
@@ -167,7 +184,9 @@ class EventRunResource(models.Model):
         ]
         indexes = [
             # for_run, unresolved_for_run, the counts (R4); the run list's annotation.
-            models.Index(fields=["run", "status"], name="evres_run_status_idx"),
+            # C8: whether a run holds an unresolved row of a later phase than k, a
+            # range of it per status, empty in the common case.
+            models.Index(fields=["run", "status", "phase_rank"], name="evres_run_status_rank_idx"),
             # live_for_module, modules_with_live_rows (R9), the cleanup scan (R11):
             # released rows are outside every range these read.
             models.Index(fields=["status", "owner_module"], name="evres_status_owner_idx"),

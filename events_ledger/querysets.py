@@ -24,6 +24,7 @@ from django.db.models import (
     Exists,
     ExpressionWrapper,
     F,
+    Max,
     OuterRef,
     Q,
     Value,
@@ -82,6 +83,13 @@ def _pks(objs: Any) -> list[Any]:
     if isinstance(objs, (str, bytes)) or not isinstance(objs, Iterable):
         objs = [objs]
     return sorted({_pk(o) for o in objs})
+
+
+def known_rank(step: Any) -> int | None:
+    """C8: the step's phase rank when its instance was read with it (a rank never
+    changes once the step exists), without reading it now; else None."""
+    rank = getattr(step, "__dict__", {}).get("phase_rank")
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
 
 
 def new_token() -> str:
@@ -183,13 +191,14 @@ class EventRunQuerySet(models.QuerySet):
         """A SELECT of the run's id, only while it has not ended."""
         return _LIVE_RUN.statement(self, run=_pk(run))
 
-    def _derived_cleanup_status(self, max_attempts: int, max_claims: int) -> Case:
+    def _derived_cleanup_status(self, max_attempts: int, max_claims: int, ordered: bool) -> Case:
         rows = _manager(self.model, "resources").filter(run=OuterRef("pk"))
+        # C8: a row behind a later phase whose rows are spent will never get its turn,
+        # so it does not keep the run pending: the run is incomplete (rule 2).
+        progressing = rows.progressing(max_attempts, max_claims, ordered)
         return Case(
             When(~Exists(rows.unresolved()), then=Value(CleanupStatus.COMPLETE)),
-            When(
-                Exists(rows.retryable(max_attempts, max_claims)), then=Value(CleanupStatus.PENDING)
-            ),
+            When(Exists(progressing), then=Value(CleanupStatus.PENDING)),
             default=Value(CleanupStatus.INCOMPLETE),
         )
 
@@ -214,14 +223,14 @@ class EventRunQuerySet(models.QuerySet):
         )
 
     def settle_cleanups(
-        self, runs: Iterable[Any], max_attempts: int, max_claims: int
+        self, runs: Iterable[Any], max_attempts: int, max_claims: int, ordered: bool = True
     ) -> dict[int, tuple[str, int]]:
         """``settle_cleanup`` for many runs: one UPDATE derives every summary from its
         rows, one SELECT answers each run's summary and unresolved count."""
         ids = _pks(runs)
         if not ids:
             return {}
-        derived = self._derived_cleanup_status(max_attempts, max_claims)
+        derived = self._derived_cleanup_status(max_attempts, max_claims, ordered)
         retrying_deadlocks(
             lambda: self.filter(pk__in=ids).update(cleanup_status=derived, updated_at=UtcNow()),
             using=self.db,
@@ -234,16 +243,20 @@ class EventRunQuerySet(models.QuerySet):
             .values_list("pk", "cleanup_status", "unresolved_count")
         }
 
-    def settle_cleanup(self, run: Any, max_attempts: int, max_claims: int) -> tuple[str, int]:
+    def settle_cleanup(
+        self, run: Any, max_attempts: int, max_claims: int, ordered: bool = True
+    ) -> tuple[str, int]:
         """Derive ``cleanup_status`` from the run's rows in the one statement that writes
         it: none unresolved → complete; some still retryable → pending; else incomplete.
 
         Two sweepers finishing one run cannot leave a stale summary: whichever writes
         last writes what the rows say at that moment, not what it saw earlier.
         """
-        return self.settle_cleanups([run], max_attempts, max_claims)[_pk(run)]
+        return self.settle_cleanups([run], max_attempts, max_claims, ordered)[_pk(run)]
 
-    def repair_cleanup_summaries(self, max_attempts: int, max_claims: int) -> list[tuple[int, str]]:
+    def repair_cleanup_summaries(
+        self, max_attempts: int, max_claims: int, ordered: bool = True
+    ) -> list[tuple[int, str]]:
         """Re-derive the summary of terminal runs whose summary disagrees with their rows;
         answers each repaired run with the summary it now has.
 
@@ -257,7 +270,7 @@ class EventRunQuerySet(models.QuerySet):
         the rows in the statement: MySQL refuses an UPDATE whose WHERE reads the table
         it updates (error 1093), and the derived value is still decided by the UPDATE.
         """
-        derived = self._derived_cleanup_status(max_attempts, max_claims)
+        derived = self._derived_cleanup_status(max_attempts, max_claims, ordered)
         rows = _manager(self.model, "resources")
         contradicted = (
             self.terminal()
@@ -314,6 +327,7 @@ class EventRunQuerySet(models.QuerySet):
         max_attempts: int,
         max_claims: int | None = None,
         step_ttl: timedelta | None = None,
+        ordered: bool = True,
     ) -> list[EventRun]:
         """Terminal runs with a row the sweep will still try, by id.
 
@@ -321,7 +335,7 @@ class EventRunQuerySet(models.QuerySet):
         never have been marked dirty; the attempt bound is there so a run whose rows
         are spent is not picked up on every pass for ever.
         """
-        owing = _manager(self.model, "resources").retryable(max_attempts, max_claims)
+        owing = _manager(self.model, "resources").progressing(max_attempts, max_claims, ordered)
         runs = self.terminal().filter(
             cleanup_status__in=(CleanupStatus.PENDING, CleanupStatus.NOT_REQUIRED),
             pk__in=_runs_of(owing),
@@ -432,6 +446,7 @@ STEP_COLUMNS = (
     "id",
     "run_id",
     "phase",
+    "phase_rank",
     "seq",
     "action_id",
     "params",
@@ -485,6 +500,16 @@ class EventRunStepQuerySet(models.QuerySet):
         field.set_cached_value(found, run)
         return found
 
+    def rank_for(self, run: Any, phase: str) -> int:
+        """C8: the rank a new step of ``phase`` takes in ``run``: its phase's, when the
+        run has steps of it already, else one past the run's last phase."""
+        found = self.filter(run=_pk(run)).aggregate(
+            mine=Max("phase_rank", filter=Q(phase=phase)), last=Max("phase_rank")
+        )
+        if found["mine"] is not None:
+            return int(found["mine"])
+        return 0 if found["last"] is None else int(found["last"]) + 1
+
     def new_claim_token(self) -> str:
         """A fresh claim token: made before the claim is sent, so that a claim whose
         answer was lost can be read back by it (``under_claim``)."""
@@ -532,6 +557,9 @@ class EventRunStepQuerySet(models.QuerySet):
                 step.pk,
                 step.run_id,
                 step.phase,
+                # C8: as the caller's instance holds it (None: not loaded; the row's
+                # INSERT then reads it from the step's row).
+                known_rank(step),
                 step.seq,
                 step.action_id,
                 params,
@@ -689,6 +717,7 @@ _INSERTED_COLUMNS = (
     "payload",
     "lease_until",
     "member_key",
+    "phase_rank",
     "status",
     "revert_attempts",
     "claim_count",
@@ -736,6 +765,75 @@ class EventRunResourceQuerySet(models.QuerySet):
             qs = qs.filter(claim_count__lt=max_claims)
         return qs
 
+    def progressing(
+        self, max_attempts: int, max_claims: int | None, ordered: bool
+    ) -> EventRunResourceQuerySet:
+        """Retryable rows that can still get their turn (C8, ``ordered``): none of their
+        run's later phases holds a row the sweep has given up on. A row standing alone
+        (no rank) always can."""
+        qs = self.retryable(max_attempts, max_claims)
+        if not ordered:
+            return qs
+        spent = Q(revert_attempts__gte=max_attempts)
+        if max_claims is not None:
+            spent |= Q(claim_count__gte=max_claims)
+        stuck = self.model._default_manager.filter(
+            spent,
+            run=OuterRef("run_id"),
+            phase_rank__gt=OuterRef("phase_rank"),
+            status__in=UNRESOLVED,
+        )
+        return qs.exclude(Exists(stuck))
+
+    def _in_last_phase(self, pairs: set[tuple[int, int | None]], step_ttl: timedelta | None) -> Any:
+        """C8, inside a claim of rows of the (run, rank) ``pairs``: a row goes only while
+        no row of a later phase of its run is unresolved and, with ``step_ttl``, no step
+        of a later phase is in flight (a call of it may still make something). A row
+        standing alone (no rank) neither waits nor holds.
+
+        Asked once per statement for the pairs the claim is about, as constants: one
+        probe of the (run, status, rank) index per pair and status, empty in the common
+        case. Asked per row (a correlated subquery) it was quadratic in a run's rows:
+        PostgreSQL hashed the run's rows and compared each row with all of them, and
+        MariaDB, inside the claim's transaction, walked the entries its own earlier
+        chunks had just changed (minutes, and seconds, for a 100,000-row answer). A row
+        whose pair was not asked about does not go. MySQL refuses an UPDATE whose
+        subquery reads its own table (error 1093) unless it reads a materialised
+        derived table; MariaDB takes the same form."""
+        conn = connections[self.db]
+        quote = conn.ops.quote_name
+        table = quote(self.model._meta.db_table)
+        run, rank, status = quote("run_id"), quote("phase_rank"), quote("status")
+        ranked = sorted((int(r), int(k)) for r, k in pairs if k is not None)
+        if not ranked:
+            sql, params = f"{table}.{rank} IS NULL", []
+        else:
+            # Whole numbers the database gave, written into the statement as they are:
+            # as constants, each pair's question is a range of the index.
+            asked = " UNION ALL ".join(f"SELECT {r} AS r, {k} AS k" for r, k in ranked)
+            marks = ", ".join(["%s"] * len(UNRESOLVED))
+            one_row = " FROM DUAL" if conn.vendor == "mysql" else ""
+            blocked = " UNION ALL ".join(
+                f"SELECT {r} AS r, {k} AS k{one_row} WHERE EXISTS (SELECT 1 FROM {table} "
+                f"later WHERE later.{run} = {r} AND later.{status} IN ({marks}) "
+                f"AND later.{rank} > {k})"
+                for r, k in ranked
+            )
+            if conn.vendor == "mysql":
+                blocked = f"SELECT * FROM ({blocked}) AS blocked"
+            mine = f"({table}.{run}, {table}.{rank})"
+            sql = (
+                f"({table}.{rank} IS NULL OR ({mine} IN (SELECT r, k FROM ({asked}) pairs) "
+                f"AND {mine} NOT IN ({blocked})))"
+            )
+            params = [str(s) for s in UNRESOLVED] * len(ranked)
+        goes: Any = ExpressionWrapper(RawSQL(sql, params), output_field=BooleanField())
+        if step_ttl is not None:
+            steps = _manager(self.model, "step").in_flight(step_ttl)
+            later = steps.filter(run=OuterRef("run_id"), phase_rank__gt=OuterRef("phase_rank"))
+            goes = goes & ~Exists(later)
+        return goes
+
     def _stale_claim(self, ttl: timedelta) -> Q:
         return Q(status=ResourceStatus.REVERTING, updated_at__lt=UtcNow() - ttl)
 
@@ -752,6 +850,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         payload: Any = None,
         lease_until: datetime | None = None,
         member_key: str | None = None,
+        ordered: bool = True,
     ) -> Reservation:
         """Insert a ``pending`` row for a target. The unique key is the check: on a held
         target the insert loses and the answer is ``code="held"`` naming the holder,
@@ -769,6 +868,7 @@ class EventRunResourceQuerySet(models.QuerySet):
                 payload=payload,
                 lease_until=lease_until,
                 member_key=member_key,
+                phase_rank=self._rank_of(step) if ordered else None,
                 status=ResourceStatus.PENDING,
             )
             return row.pk
@@ -785,8 +885,23 @@ class EventRunResourceQuerySet(models.QuerySet):
             # The holder let go between our insert and the look-up: try again.
         return Reservation(ok=False, code="held", holder=None)
 
+    def _rank_of(self, step: Any) -> Any:
+        """C8: the step's phase rank (read by the INSERT itself when its instance lacks
+        it); NULL without a step."""
+        if step is None:
+            return None
+        if known_rank(step) is not None:
+            return known_rank(step)
+        steps = self.model._meta.get_field("step").related_model._default_manager
+        return models.Subquery(steps.filter(pk=_pk(step)).values("phase_rank")[:1])
+
     def bulk_record(
-        self, run: Any, step: Any, owner: str, rows: Sequence[Mapping[str, Any]]
+        self,
+        run: Any,
+        step: Any,
+        owner: str,
+        rows: Sequence[Mapping[str, Any]],
+        ordered: bool = True,
     ) -> int:
         """Insert many ``confirmed`` rows in one statement (per few hundred rows), letting
         the unique key skip every target that is already held, by anyone. Answers how
@@ -801,10 +916,18 @@ class EventRunResourceQuerySet(models.QuerySet):
         errors (a too-long value) into warnings, which is safe only because
         ``envelopes.normalise`` has refused every such value before this is called.
         """
-        return self._insert_ignoring_held(run, step, owner, rows, ResourceStatus.CONFIRMED)[0]
+        return self._insert_ignoring_held(
+            run, step, owner, rows, ResourceStatus.CONFIRMED, ordered
+        )[0]
 
     def reserve_placeholder(
-        self, run: Any, step: Any, owner: str, key: str, payload: Mapping[str, Any]
+        self,
+        run: Any,
+        step: Any,
+        owner: str,
+        key: str,
+        payload: Mapping[str, Any],
+        ordered: bool = True,
     ) -> int | None:
         """R1 for a step's own ``@step`` row, in one statement and no savepoint (so it can
         share the step's first transaction): a ``pending`` row keyed by the step's
@@ -815,6 +938,7 @@ class EventRunResourceQuerySet(models.QuerySet):
             owner,
             [{"kind": STEP_KIND, "ref": key, "payload": payload}],
             ResourceStatus.PENDING,
+            ordered,
         )
         if inserted:
             return new_id
@@ -829,7 +953,13 @@ class EventRunResourceQuerySet(models.QuerySet):
         return found[0][0] if found else None
 
     def _insert_ignoring_held(
-        self, run: Any, step: Any, owner: str, rows: Sequence[Mapping[str, Any]], status: str
+        self,
+        run: Any,
+        step: Any,
+        owner: str,
+        rows: Sequence[Mapping[str, Any]],
+        status: str,
+        ordered: bool,
     ) -> tuple[int, int | None]:
         """One multi-row INSERT (per chunk) that the unique key may skip row by row.
         Answers how many rows went in, and the id of the last one when one row was asked
@@ -840,7 +970,8 @@ class EventRunResourceQuerySet(models.QuerySet):
         one = len(rows) == 1
         inserted, last_id = 0, None
         with conn.cursor() as cursor:
-            for sql, params, returning in self._inserts(conn, run, step, owner, rows, status):
+            inserts = self._inserts(conn, run, step, owner, rows, status, ordered=ordered)
+            for sql, params, returning in inserts:
                 cursor.execute(sql, params)
                 if returning:
                     found = cursor.fetchone()
@@ -877,11 +1008,14 @@ class EventRunResourceQuerySet(models.QuerySet):
         rows: Sequence[Mapping[str, Any]],
         status: str,
         *,
+        ordered: bool = True,
         only_if: str | None = None,
     ) -> list[tuple[str, list[Any], bool]]:
         """The INSERT statements of ``_insert_ignoring_held``: (sql, params, whether it
         answers the new id with RETURNING), one per chunk of rows.
 
+        ``ordered``: the rows take their step's phase rank (C8); False, or no step:
+        they stand alone (NULL).
         ``only_if`` (one row, for ``fastpath``): on MariaDB the row goes in only when that
         condition on a compound statement's variables holds; on PostgreSQL it names a CTE
         of the statement, and the row goes in once for each of its rows."""
@@ -918,7 +1052,22 @@ class EventRunResourceQuerySet(models.QuerySet):
         else:
             head, tail = "INSERT INTO", " ON CONFLICT DO NOTHING"
             returning = " RETURNING id" if one else ""
-        row_sql = f"%s, %s, %s, %s, %s, %s, %s, %s, '{status}', 0, 0, %s, %s"
+        # C8: the step's rank, as its instance was read (a whole number of the
+        # database's own), else read from its row by the INSERT (a subquery per row:
+        # twice the cost of a large answer, so only when the instance lacks it); NULL,
+        # standing alone.
+        rank_sql = "NULL"
+        if ordered and step_id is not None:
+            rank = known_rank(step)
+            if rank is not None:
+                rank_sql = str(int(rank))
+            else:
+                steps = self.model._meta.get_field("step").related_model._meta.db_table
+                rank_sql = (
+                    f"(SELECT {ops.quote_name('phase_rank')} FROM {ops.quote_name(steps)} "
+                    f"WHERE {ops.quote_name('id')} = {step_id})"
+                )
+        row_sql = f"%s, %s, %s, %s, %s, %s, %s, %s, {rank_sql}, '{status}', 0, 0, %s, %s"
         if only_if is not None and conn.vendor == "postgresql":
             # PostgreSQL: ``only_if`` names a CTE of the statement; one row goes in for
             # each of its rows (the claim's: none when the claim was lost).
@@ -959,6 +1108,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         owner: str,
         payload: Mapping[str, Any],
         *,
+        ordered: bool = True,
         only_if: str | None = None,
     ) -> Statement:
         """The INSERT of a step's ``@step`` row as a statement sent with the step's
@@ -970,16 +1120,22 @@ class EventRunResourceQuerySet(models.QuerySet):
             owner,
             [{"kind": STEP_KIND, "ref": step.idempotency_key, "payload": payload}],
             ResourceStatus.PENDING,
+            ordered=ordered,
             only_if=only_if,
         )
         return sql, params
 
     def record_statement(
-        self, run: Any, step: Any, owner: str, rows: Sequence[Mapping[str, Any]]
+        self,
+        run: Any,
+        step: Any,
+        owner: str,
+        rows: Sequence[Mapping[str, Any]],
+        ordered: bool = True,
     ) -> Statement | None:
         """``bulk_record`` as one statement, or None when the rows take several."""
         inserts = self._inserts(
-            connections[self.db], run, step, owner, rows, ResourceStatus.CONFIRMED
+            connections[self.db], run, step, owner, rows, ResourceStatus.CONFIRMED, ordered=ordered
         )
         if len(inserts) != 1:
             return None
@@ -1116,6 +1272,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         *,
         released: bool = True,
         step_ttl: timedelta | None = None,
+        ordered: bool = False,
     ) -> GroupClaim:
         """Claim many rows in a bounded number of statements, one token for all of them.
 
@@ -1130,6 +1287,10 @@ class EventRunResourceQuerySet(models.QuerySet):
         With ``step_ttl``, a row whose step is in flight (claimed, claim younger than
         ``step_ttl``) is not claimed, in the same statement: a call of that step may
         still make something, and giving back by key now would miss it.
+
+        ``ordered`` (C8): a row is not claimed while a row of a later phase of its run
+        is unresolved (or, with ``step_ttl``, a step of a later phase is in flight),
+        decided in the same statement, so concurrent sweepers keep the order too.
         """
         ids = _pks(pks)
         token = new_token()
@@ -1152,11 +1313,17 @@ class EventRunResourceQuerySet(models.QuerySet):
         if step_ttl is not None:
             steps = self.model._meta.get_field("step").related_model._default_manager
             base = base.exclude(Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id"))))
+        if ordered and any(pk not in known for pk in ids):
+            # The rows' runs and ranks, read once: what the claim asks about (C8).
+            known.update(self.filter(pk__in=[pk for pk in ids if pk not in known]).in_bulk())
         collided: list[int] = []
         # Held rows are live already, so turning them `reverting` can never collide and
         # needs no savepoint inside the caller's transaction.
         for part in chunked(ids):
             rows = base.filter(pk__in=part)
+            if ordered:
+                pairs = {(known[pk].run_id, known[pk].phase_rank) for pk in part if pk in known}
+                rows = rows.filter(self._in_last_phase(pairs, step_ttl))
             live = rows.filter(Q(status__in=LIVE) | self._stale_claim(ttl))
             retrying_deadlocks(partial(live.update, **values), using=self.db, savepoint=False)
             if not released:
@@ -1168,7 +1335,7 @@ class EventRunResourceQuerySet(models.QuerySet):
                 if not is_unique_violation(exc):
                     raise
                 for pk in part:
-                    one = base.filter(pk=pk, status__in=RELEASED_UNCLEAN)
+                    one = rows.filter(pk=pk, status__in=RELEASED_UNCLEAN)
                     try:
                         retrying_deadlocks(partial(one.update, **values), using=self.db)
                     except IntegrityError as row_exc:

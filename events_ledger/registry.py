@@ -56,6 +56,10 @@ class Action:
     reconcile: Callable[..., Any] | None = None
     budget_ms: int = 10_000
     description: str = ""
+    #: C8: what it makes stands alone, depending on nothing of its run and nothing
+    #: depending on it: given back whenever (never waiting for a later phase, never
+    #: holding an earlier one), in parallel with the rest.
+    independent: bool = False
 
     @property
     def budget_s(self) -> float:
@@ -80,6 +84,8 @@ class Lease:
     restore: Callable[..., Any] | None = None
     budget_ms: int | None = None
     description: str = ""
+    #: C8: restored whenever, in parallel, whatever phase took it (see ``Action``).
+    independent: bool = False
 
     @property
     def budget_s(self) -> float:

@@ -1,4 +1,5 @@
-"""Running a run: its steps in ``(phase, seq)`` order through ``execute_step``, then its end."""
+"""Running a run: its steps in phase order (C8: ``phase_rank``), then ``seq``, through
+``execute_step``, then its end."""
 
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ class RunReport:
 
 
 def run_steps(run: EventRun | int, *, on_refused: OnRefused = "fail") -> RunReport:
-    """Execute a run's unsettled steps in ``(phase, seq, id)`` order, one at a time, and
-    end the run: ``completed`` when every step is done, ``failed`` when one failed for
-    good (or was refused, by default).
+    """Execute a run's unsettled steps in phase order (``phase_rank``; C8), then ``seq``,
+    one at a time, and end the run: ``completed`` when every step is done, ``failed``
+    when one failed for good (or was refused, by default).
 
     Calls ``execute_step`` and nothing else of the write half, so every rule of a step
     holds (its claim, its placeholder, its attempt bound). A step answered ``retry`` is
@@ -123,7 +124,7 @@ def _next_step(run_id: int, *, skip_refused: bool) -> EventRunStep | None:
     return (
         EventRunStep.objects.filter(run_id=run_id)
         .exclude(status__in=skipped)
-        .order_by("phase", "seq", "id")
+        .order_by("phase_rank", "phase", "seq", "id")
         .only("pk", "status", "last_error")
         .first()
     )

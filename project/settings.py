@@ -111,6 +111,8 @@ EVENTS_LEDGER = {
     "HEALTH_MAX_UNRESOLVED_AGE": timedelta(
         seconds=env.int("EVENT_HEALTH_MAX_UNRESOLVED_AGE_S", default=24 * 60 * 60)
     ),
+    # #26: the bench measures giving back both ways (scripts/bench-all).
+    "GIVE_BACK_IN_ORDER": env.bool("EVENT_GIVE_BACK_IN_ORDER", default=True),
 }
 
 LOGGING = {

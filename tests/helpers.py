@@ -104,6 +104,25 @@ def finished_run(count: int, name: str = "chaos", region: str = "north") -> Even
     return run
 
 
+def phased_run(arena: str = "pit", *, name: str = "event", count: int = 3) -> EventRun:
+    """#26: a run of three dependent phases, run to its end: an arena, ``count``
+    creatures in it, and the arena's spawn rate raised over them."""
+    from events_ledger.ledger import execute_step
+    from tests.factories import StepFactory
+
+    run = new_run(name=name)
+    plan = [
+        ("arena", "world.build_arena", {"name": arena}),
+        ("creatures", "world.spawn", {"region": arena, "count": count, "kind": "wolf"}),
+        ("rate", "core.lease", {"lease": f"world.spawn_rate#{arena}", "value": 9}),
+    ]
+    for phase, action_id, params in plan:
+        step = StepFactory(run=run, phase=phase, action_id=action_id, params=params)
+        assert execute_step(step.pk).outcome == "done", phase
+    EventRun.objects.transition(run, "completed", from_="running")
+    return run
+
+
 def despawn_calls_per_creature() -> Counter[int]:
     """How many creatures the world was asked to despawn once, twice, …"""
     from project.world.models import Call

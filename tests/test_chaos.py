@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 from events_ledger import Action, Lease
 from events_ledger.cleanup import cleanup_run, reconcile_module, sweep
 from events_ledger.ledger import execute_step
-from events_ledger.models import EventRun, EventRunResource
+from events_ledger.models import EventRun, EventRunResource, EventRunStep
 from project.world import world as w
-from project.world.models import Call, Creature
+from project.world.models import Arena, Call, Creature
 from tests.conftest import age_rows
 from tests.helpers import (
     PATIENCE_S,
@@ -40,6 +40,7 @@ from tests.helpers import (
     finished_run,
     new_run,
     new_step,
+    phased_run,
     spawn_step,
     wait_until,
 )
@@ -73,6 +74,55 @@ def test_sweepers_together_revert_every_resource_exactly_once(world, vendor, fig
     assert not crashes, crashes
     assert histogram == Counter({1: runs_n * per_run}), histogram
     assert all_given_back(runs)
+
+
+# ── #26: 8 sweepers, three dependent phases, the last phase first ──
+
+
+def test_sweepers_together_give_back_dependent_phases_in_order(world, vendor, figure):  # C8
+    """The arena refuses, loudly, to go while a creature stands in it: an earlier phase
+    taken before a later one's resources are gone would show as a refusal. Eight
+    sweepers started together over the runs never take an earlier phase first."""
+    sweepers, runs_n, per_run = 8, size(25, 200), 3
+    runs = [phased_run(f"pit{i}", name=f"phased{i}", count=per_run) for i in range(runs_n)]
+    started = time.monotonic()
+    results = race("sweep", [{} for _ in range(sweepers)], timeout=900)
+    seconds = time.monotonic() - started
+    crashes = [r for r in results if "crash" in r]
+    calls = list(Call.objects.order_by("pk").values_list("pk", "verb", "idempotency_key", "refs"))
+    refused = [c for c in calls if c[1] == "arena.refused"]
+    # Per run, by the order the world was asked: its rate, then its creatures, then its arena.
+    keys = dict(EventRunStep.objects.filter(run__in=runs).values_list("idempotency_key", "run_id"))
+    arena_of = {f"pit{i}": run.pk for i, run in enumerate(runs)}
+    asked: dict[int, list[str]] = {run.pk: [] for run in runs}
+    for _pk, verb, key, refs in calls:
+        run_id = keys.get(key) or arena_of.get(key)
+        if run_id is None and refs:
+            run_id = arena_of.get(refs[0])
+        if run_id is not None and verb in ("restore", "despawn", "arena.down"):
+            asked[run_id].append(verb)
+    out_of_order = {r: v for r, v in asked.items() if v != ["restore", "despawn", "arena.down"]}
+    histogram = despawn_calls_per_creature()
+    holds = (
+        not refused
+        and not out_of_order
+        and not crashes
+        and histogram == Counter({1: runs_n * per_run})
+        and all_given_back(runs)
+    )
+    figure(
+        f"{runs_n} runs × 3 phases, {sweepers} sweepers: {len(refused)} refusals, "
+        f"{len(out_of_order)} runs out of order, calls per creature {dict(histogram)}, "
+        f"{runs_n * (per_run + 2) / seconds:.0f} resources/s",
+        holds,
+        refused=len(refused),
+        out_of_order=len(out_of_order),
+    )
+    assert not crashes, crashes
+    assert not refused, refused[:5]
+    assert not out_of_order, dict(list(out_of_order.items())[:5])
+    assert histogram == Counter({1: runs_n * per_run}), histogram
+    assert all_given_back(runs) and not Arena.objects.exists()
 
 
 # ── SIGKILL of a sweeper at each of four points ──

@@ -11,6 +11,7 @@ import pytest
 from events_ledger import Action, RunReport, run_steps
 from events_ledger.models import EventRun, EventRunLog, EventRunStep
 from project.world.models import Creature, RegionSetting
+from tests.factories import StepFactory
 from tests.helpers import PATIENCE_S, lease_step, new_run, new_step, spawn_step
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -35,23 +36,26 @@ def _recording(registry, calls: list[str], answers: dict[str, list[object]] | No
 
 def _steps(run: EventRun, *order: tuple[str, int, str]) -> None:
     for phase, seq, name in order:
-        step = new_step(run, "t.do", {"name": name}, seq)
-        EventRunStep.objects.filter(pk=step.pk).update(phase=phase)
+        StepFactory(run=run, action_id="t.do", params={"name": name}, seq=seq, phase=phase)
 
 
 def _status(run: EventRun) -> str:
     return EventRun.objects.values_list("status", flat=True).get(pk=run.pk)
 
 
-def test_steps_run_in_phase_and_seq_order_and_the_run_completes(isolated_registry):  # W5
+def test_steps_run_in_phase_and_seq_order_and_the_run_completes(isolated_registry):  # W5, C8
     calls: list[str] = []
     _recording(isolated_registry, calls)
     run = new_run(status="pending")
-    # Created out of order on purpose: the driver orders, not the insertion.
-    _steps(run, ("b", 0, "b0"), ("a", 2, "a2"), ("a", 1, "a1"), ("c", 0, "c0"))
+    # Seqs out of order on purpose: the driver orders, not the insertion. Phases run in
+    # the order they were first planned (their rank), never by their names as text.
+    _steps(run, ("setup", 1, "s1"), ("setup", 0, "s0"), ("main", 0, "m0"), ("teardown", 0, "t0"))
+    _steps(run, ("main", 1, "m1"))
+    ranks = dict(EventRunStep.objects.filter(run=run).values_list("phase", "phase_rank"))
+    assert ranks == {"setup": 0, "main": 1, "teardown": 2}
     report = run_steps(run)
     assert isinstance(report, RunReport)
-    assert calls == ["a1", "a2", "b0", "c0"]
+    assert calls == ["s0", "s1", "m0", "m1", "t0"]
     assert (report.outcome, report.status, report.finished) == ("completed", "completed", True)
     assert _status(run) == "completed"
     assert set(EventRunStep.objects.filter(run=run).values_list("status", flat=True)) == {"done"}

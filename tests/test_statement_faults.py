@@ -39,9 +39,9 @@ from events_ledger.inflight import keeper
 from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from events_ledger.retention import History, prune, read_archive
-from project.world.models import Call, Creature
+from project.world.models import Arena, Call, Creature, RegionSetting
 from tests import faults
-from tests.helpers import new_run, spawn_step
+from tests.helpers import new_run, phased_run, spawn_step
 from tests.test_retention import KEEP, old_run, same_document, whole
 
 proxied_db = faults.proxied_db
@@ -165,8 +165,10 @@ def _under_proxy_faults(
     prepare: Callable[[], Any],
     unit: Callable[[Any], Any],
     check: Callable[[Any, str, dict[str, str]], None],
+    stride: int = 1,
 ) -> None:
-    """Enumerate the requests of ``unit`` on fresh input, then fault each k in turn."""
+    """Enumerate the requests of ``unit`` on fresh input, then fault each k in turn
+    (every ``stride``-th k, and the last, in ``make test``: a long unit's short version)."""
     _fresh_world()
     first = prepare()
     spawned = _spawned()
@@ -174,8 +176,11 @@ def _under_proxy_faults(
     check(first, "unfaulted", spawned)
     assert work.error is None, work.error
     assert work.requests, "the unit sent nothing through the proxy"
+    every = list(range(1, work.requests + 1))
+    if not FULL and stride > 1:
+        every = sorted({*every[::stride], every[-1]})
     for kind in PROXY_KINDS:
-        for k in range(1, work.requests + 1):
+        for k in every:
             tag = f"{kind}@{k}/{work.requests}"
             _fresh_world()
             given = prepare()
@@ -338,6 +343,42 @@ def test_a_sweep_pass_gives_back_once_whatever_write_the_server_fails(
     tally = Tally()
     _under_server_faults(tally, _pass_input, _pass_unit, _pass_check)
     figure(tally.figure("a sweep pass"), True, tried=dict(tally.tried), fired=dict(tally.fired))
+    assert sum(tally.fired.values()) > 0, tally
+
+
+# ── a sweep pass over three dependent phases (#26) ──
+
+
+def _phased_input() -> EventRun:
+    Arena.objects.all().delete()
+    RegionSetting.objects.all().delete()
+    return phased_run("faulted", count=2)
+
+
+def _phased_check(run: EventRun, tag: str, spawned: dict[str, str]) -> None:
+    _pass_check(run, tag, spawned)
+    refused = Call.objects.filter(verb="arena.refused").count()
+    assert not refused, f"{tag}: an earlier phase was given back before a later one (C8)"
+    assert not Arena.objects.exists(), f"{tag}: the arena was not given back"
+    assert RegionSetting.objects.get(region="faulted").spawn_rate == 1, tag
+
+
+def test_a_phased_pass_keeps_the_order_whatever_round_trip_fails(
+    proxied_db, short_ttls, figure
+):  # C8, C4, #26
+    tally = Tally()
+    _under_proxy_faults(proxied_db, tally, _phased_input, _pass_unit, _phased_check, stride=4)
+    figure(tally.figure("a phased pass"), True, tried=dict(tally.tried), fired=dict(tally.fired))
+    assert sum(tally.fired.values()) > 0, tally
+
+
+def test_a_phased_pass_keeps_the_order_whatever_write_the_server_fails(
+    short_ttls, figure
+):  # C8, C4, #26
+    faults.require_server()
+    tally = Tally()
+    _under_server_faults(tally, _phased_input, _pass_unit, _phased_check)
+    figure(tally.figure("a phased pass"), True, tried=dict(tally.tried), fired=dict(tally.fired))
     assert sum(tally.fired.values()) > 0, tally
 
 

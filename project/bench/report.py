@@ -43,6 +43,12 @@ def database_name(doc: dict[str, Any]) -> str:
     return f"{m.get('server') or DATABASES.get(m['database'], m['database'])} {m['version']}"
 
 
+def _order(doc: dict[str, Any]) -> str:
+    order = doc.get("order", {})
+    way = "in reverse phase order" if order.get("give_back_in_order", True) else "in no order"
+    return way + (", each step a phase of its own" if order.get("phased") else ", one phase")
+
+
 def text(doc: dict[str, Any]) -> str:
     """One database's figures, as the command prints them."""
     m = doc["machine"]
@@ -50,6 +56,7 @@ def text(doc: dict[str, Any]) -> str:
         f"database: {database_name(doc)} · {m['cpus']} CPUs · Python {m['python']} · "
         f"Django {m['django']} · {m['platform']} · {m['date']}",
         f"durability: {_settings(doc)}",
+        f"giving back: {_order(doc)}",
         f"load average (1 min): {m['load_at_start']:.2f} at the start, "
         f"{m['load_at_end']:.2f} at the end; each shape in {_rounds(doc)} rounds, the two "
         "ways taken in turn (ledger, per-row, per-row, ledger, ...)",

@@ -34,6 +34,8 @@ class Shape:
     resources: int
     runs: int
     steps: int = 1
+    #: #26: each step of a run a phase of its own, so giving back goes phase by phase.
+    phased: bool = False
 
     @property
     def total(self) -> int:
@@ -85,7 +87,14 @@ def _make_runs(shape: Shape, action_id: str, tag: str) -> list[tuple[EventRun, l
         run = EventRun.objects.create(name=f"bench {tag} {r}", scope=SCOPE, status="running")
         steps = EventRunStep.objects.bulk_create(
             [
-                EventRunStep(run=run, seq=i, action_id=action_id, params={"n": shape.resources})
+                EventRunStep(
+                    run=run,
+                    seq=i,
+                    phase=f"p{i}" if shape.phased else "main",
+                    phase_rank=i if shape.phased else 0,
+                    action_id=action_id,
+                    params={"n": shape.resources},
+                )
                 for i in range(shape.steps)
             ]
         )

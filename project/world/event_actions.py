@@ -18,6 +18,17 @@ register_action(
 )
 register_action(
     Action(
+        id="world.build_arena",
+        owner="world",
+        reversible="ledger",
+        budget_ms=5_000,
+        perform=world.build_arena,
+        revert=world.take_down_arena,
+        description="build an arena creatures can be spawned into (#26: taken down last)",
+    )
+)
+register_action(
+    Action(
         id="world.announce",
         owner="world",
         reversible="none",

@@ -17,6 +17,17 @@ class Creature(models.Model):
         return f"{self.kind} {self.serial} in {self.region}"
 
 
+class Arena(models.Model):
+    """#26: a place creatures are spawned into (their region is its name). It cannot be
+    taken down while a creature stands in it: the dependency an event's phases have."""
+
+    name = models.CharField(max_length=32, unique=True)
+    built_by = models.CharField(max_length=64, db_index=True)
+
+    def __str__(self) -> str:
+        return f"arena {self.name}"
+
+
 class RegionSetting(models.Model):
     region = models.CharField(max_length=32, unique=True)
     spawn_rate = models.IntegerField(default=1)

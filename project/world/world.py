@@ -10,7 +10,7 @@ from typing import Any
 
 from django.db import IntegrityError, transaction
 
-from .models import Announcement, Call, Creature, RegionSetting, Switch
+from .models import Announcement, Arena, Call, Creature, RegionSetting, Switch
 
 #: Faults the tests and the demo can turn on. Each is read when the verb runs.
 SWITCHES = {
@@ -158,6 +158,50 @@ def restart() -> int:
     return Creature.objects.all().delete()[0]
 
 
+# ── arenas (#26) ──
+
+
+def build_arena(*, run_id: int, params: dict[str, Any], idempotency_key: str) -> Any:
+    """Build the arena ``name``. Idempotent by key."""
+    name = str(params.get("name", "arena"))
+    arena = Arena.objects.filter(built_by=idempotency_key).first()
+    if arena is None:
+        try:
+            arena = Arena.objects.create(name=name, built_by=idempotency_key)
+        except IntegrityError:
+            return {"ok": False, "error": f"the arena {name} stands already"}
+    return {"ok": True, "resources": [{"kind": "arena", "ref": arena.name}]}
+
+
+def take_down_arena(*, run_id: int, resources: list[dict[str, Any]], idempotency_key: str) -> Any:
+    """Take the arenas down; refused, loudly, while a creature stands in one: what the
+    world says when a run is given back out of order (C8). A refusal is written as a
+    Call (verb ``arena.refused``) so tests and the demo can count them."""
+    names = [r["ref"] for r in resources if r.get("kind") == "arena"]
+    arenas = (
+        Arena.objects.filter(name__in=names)
+        if names
+        else Arena.objects.filter(built_by=idempotency_key)
+    )
+    names = list(arenas.values_list("name", flat=True))
+    standing = sorted(
+        set(Creature.objects.filter(region__in=names).values_list("region", flat=True))
+    )
+    if standing:
+        Call.objects.create(
+            verb="arena.refused",
+            idempotency_key=idempotency_key or "",
+            refs=standing,
+            pid=os.getpid(),
+        )
+        return {"ok": False, "error": f"creatures still stand in {', '.join(standing)}"}
+    Call.objects.create(
+        verb="arena.down", idempotency_key=idempotency_key or "", refs=names, pid=os.getpid()
+    )
+    arenas.delete()
+    return {"ok": True}
+
+
 # ── announcements ──
 
 
@@ -209,6 +253,7 @@ def put_back(baseline: Any, *, expected: Any, run_id: int, target: str | None) -
 def snapshot() -> dict[str, Any]:
     """The world as a newcomer would want to see it."""
     return {
+        "arenas": sorted(Arena.objects.values_list("name", flat=True)),
         "creatures": sorted((c.region, c.kind, c.serial) for c in Creature.objects.all()),
         "rates": dict(RegionSetting.objects.order_by("region").values_list("region", "spawn_rate")),
     }

@@ -298,6 +298,7 @@ class Command(LedgerCommand):
                     ledger_settings.CLEANUP_RUN_BATCH,
                     ledger_settings.MAX_REVERT_ATTEMPTS,
                     ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
+                    ordered=ledger_settings.GIVE_BACK_IN_ORDER,
                 )
             )
         plans = {r.pk: plan_run(r, reset_attempts=human) for r in runs}

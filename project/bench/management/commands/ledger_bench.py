@@ -11,6 +11,7 @@ import django
 from django.conf import settings
 from django.db import connection as default_connection
 
+from events_ledger.conf import ledger_settings
 from events_ledger.management.base import LedgerCommand
 from events_ledger.models import EventRun
 from events_ledger.registry import default_registry
@@ -48,6 +49,11 @@ class Command(LedgerCommand):
             help="resources per step × runs, comma-separated (default 1x1000,10x200,50x40)",
         )
         parser.add_argument("--steps", type=int, default=1, help="steps per run (default 1)")
+        parser.add_argument(
+            "--phased",
+            action="store_true",
+            help="each step of a run in a phase of its own, given back in reverse (#26)",
+        )
         parser.add_argument(
             "--rounds",
             type=int,
@@ -113,7 +119,15 @@ class Command(LedgerCommand):
             )
         verbose = opts["verbosity"] >= 2
         shapes.delete_runs()
-        doc: dict[str, Any] = {"machine": self._machine(), "durability": durability()}
+        doc: dict[str, Any] = {
+            "machine": self._machine(),
+            "durability": durability(),
+            # #26: how the ledger gave back: in reverse phase order (the default) or not.
+            "order": {
+                "give_back_in_order": ledger_settings.GIVE_BACK_IN_ORDER,
+                "phased": opts["phased"],
+            },
+        }
         with default_registry.isolated() as reg:
             shapes.register(reg, opts["revert_ms"])
             try:
@@ -122,7 +136,9 @@ class Command(LedgerCommand):
                 for resources, runs in sizes:
                     if verbose:
                         self.stderr.write(f"shape: {resources} resource(s)/step × {runs} runs")
-                    shape = shapes.Shape(resources=resources, runs=runs, steps=opts["steps"])
+                    shape = shapes.Shape(
+                        resources=resources, runs=runs, steps=opts["steps"], phased=opts["phased"]
+                    )
                     doc["shapes"].append(shapes.both_ways(shape, opts["rounds"]))
                 if opts["calls_runs"]:
                     if verbose:
