@@ -242,29 +242,31 @@ def _mark_behind(
     """C8: mark each group that a later phase of its run still holds (``behind``): the
     run's last phase with an unresolved row, whose rows go first. The claim decides
     again in its own statement; this is what the pass and the console say."""
+    # Per run: the highest rank of its unresolved rows, and those rows.
+    rank: dict[int, int] = {}
     last: dict[int, list[EventRunResource]] = {}
     for row in rows:
         if row.phase_rank is None:
             continue  # standing alone: holds nothing
-        top = last.get(row.run_id)
-        if top is None or row.phase_rank > top[0].phase_rank:
-            last[row.run_id] = [row]
-        elif row.phase_rank == top[0].phase_rank:
-            top.append(row)
-    held = [g for g in groups if g.rank is not None and g.rank < last[g.run_id][0].phase_rank]
+        top = rank.get(row.run_id)
+        if top is None or row.phase_rank > top:
+            rank[row.run_id], last[row.run_id] = row.phase_rank, [row]
+        elif row.phase_rank == top:
+            last[row.run_id].append(row)
+    held = [g for g in groups if g.rank is not None and g.rank < rank[g.run_id]]
     if not held:
         return
     step_ids = {r.step_id for g in held for r in last[g.run_id] if r.step_id is not None}
     phases = dict(EventRunStep.objects.filter(pk__in=step_ids).values_list("pk", "phase"))
     for group in held:
-        top = last[group.run_id]
-        names = [phases.get(r.step_id) for r in top]
+        top_rows = last[group.run_id]
+        names = [phases.get(r.step_id) for r in top_rows]
         group.behind = {
-            "phase": next((n for n in names if n), None) or f"#{top[0].phase_rank}",
-            "rank": top[0].phase_rank,
-            "rows": len(top),
-            "resources": [f"{r.kind}:{r.ref}" for r in top[:BEHIND_NAMED]],
-            "stuck": all(spent(r) for r in top),
+            "phase": next((n for n in names if n), None) or f"#{rank[group.run_id]}",
+            "rank": rank[group.run_id],
+            "rows": len(top_rows),
+            "resources": [f"{r.kind}:{r.ref}" for r in top_rows[:BEHIND_NAMED]],
+            "stuck": all(spent(r) for r in top_rows),
         }
 
 
@@ -464,6 +466,12 @@ def _work_runs(
                 summaries[summary.run_id].add_round(summary)
             else:
                 summaries[summary.run_id] = summary
+        for summary in done:
+            if summary.cleanup_status == CleanupStatus.INCOMPLETE:
+                # Read before this round's verdicts: a phase whose last attempts this
+                # round spent holds the earlier ones now for good.
+                for behind in summary.behind:
+                    behind["stuck"] = True
         # What waited behind a phase this round gave back may go now; a phase that gave
         # nothing back (failed, drifted, its rows claimed elsewhere) still holds.
         again = {s.run_id for s in done if s.behind and s.reverted}

@@ -30,7 +30,7 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.expressions import RawSQL
+from django.db.models.expressions import DatabaseDefault, RawSQL
 from django.db.models.functions import Greatest
 from django.utils import timezone
 
@@ -499,6 +499,31 @@ class EventRunStepQuerySet(models.QuerySet):
         )
         field.set_cached_value(found, run)
         return found
+
+    def bulk_create(self, objs: Iterable[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """C8: steps made in bulk take their phase's rank as ``save`` gives it (their
+        phase's in the run, else one past the run's last, in the order given), with one
+        read for the whole batch; a rank given explicitly is kept."""
+        objs = list(objs)
+        unranked = [o for o in objs if isinstance(o.phase_rank, DatabaseDefault)]
+        if unranked:
+            ranks: dict[tuple[Any, str], int] = {}
+            last: dict[Any, int] = {}
+            found = (
+                self.filter(run__in={o.run_id for o in unranked})
+                .order_by()
+                .values_list("run_id", "phase")
+                .annotate(rank=Max("phase_rank"))
+            )
+            for run_id, phase, rank in found:
+                ranks[(run_id, phase)] = rank
+                last[run_id] = max(last.get(run_id, -1), rank)
+            for o in unranked:
+                key = (o.run_id, o.phase)
+                if key not in ranks:
+                    ranks[key] = last[o.run_id] = last.get(o.run_id, -1) + 1
+                o.phase_rank = ranks[key]
+        return super().bulk_create(objs, *args, **kwargs)
 
     def rank_for(self, run: Any, phase: str) -> int:
         """C8: the rank a new step of ``phase`` takes in ``run``: its phase's, when the

@@ -98,8 +98,10 @@ def test_the_claim_itself_refuses_an_earlier_phase_while_a_later_one_holds(world
 def test_a_stuck_later_phase_holds_the_earlier_ones_and_is_named(world, settings):  # C8, rule 2
     run = arena_run()
     world.switch_on("rate.restore_fail")  # the settings service refuses, every time
-    for _ in range(MAX_ATTEMPTS + 1):
-        sweep()
+    reports = [sweep() for _ in range(MAX_ATTEMPTS + 1)]
+    # The pass that spent the last attempt says so: what waits behind is stuck now.
+    last = reports[MAX_ATTEMPTS - 1].runs[0]
+    assert last.cleanup_status == "incomplete" and last.behind[0]["stuck"] is True, last
     run.refresh_from_db()
     # The rate's attempts are spent: nothing can progress by itself, so the run is
     # incomplete, though the creatures and the arena were never tried.

@@ -61,6 +61,27 @@ def test_steps_run_in_phase_and_seq_order_and_the_run_completes(isolated_registr
     assert set(EventRunStep.objects.filter(run=run).values_list("status", flat=True)) == {"done"}
 
 
+def test_steps_made_in_bulk_rank_their_phases_as_one_by_one(isolated_registry):  # C8
+    calls: list[str] = []
+    _recording(isolated_registry, calls)
+    run = new_run(status="pending")
+    _steps(run, ("warmup", 0, "w0"))
+    EventRunStep.objects.bulk_create(
+        EventRunStep(run=run, phase=phase, seq=seq, action_id="t.do", params={"name": name})
+        for phase, seq, name in [
+            ("setup", 0, "s0"),
+            ("main", 0, "m0"),
+            ("setup", 1, "s1"),
+            ("teardown", 0, "t0"),
+            ("warmup", 1, "w1"),
+        ]
+    )
+    ranks = dict(EventRunStep.objects.filter(run=run).values_list("phase", "phase_rank"))
+    assert ranks == {"warmup": 0, "setup": 1, "main": 2, "teardown": 3}
+    run_steps(run)
+    assert calls == ["w0", "w1", "s0", "s1", "m0", "t0"]
+
+
 def test_a_step_failed_for_good_fails_the_run_and_nothing_after_it_runs(isolated_registry):  # W5
     calls: list[str] = []
     _recording(isolated_registry, calls, {"two": [{"ok": False, "retry": False, "error": "no"}]})

@@ -8,11 +8,12 @@ def rank_existing_phases(apps, schema_editor):
     step = apps.get_model("events_ledger", "EventRunStep")
     db = schema_editor.connection.alias
     phases: dict[int, list[str]] = {}
-    pairs = step.objects.using(db).order_by().values_list("run_id", "phase").distinct()
-    for run_id, phase in pairs.iterator():
+    # In the database's own order (its collation), as the driver compared them.
+    pairs = step.objects.using(db).order_by("run_id", "phase").values_list("run_id", "phase")
+    for run_id, phase in pairs.distinct().iterator():
         phases.setdefault(run_id, []).append(phase)
     for run_id, names in phases.items():
-        for rank, phase in enumerate(sorted(names)):
+        for rank, phase in enumerate(names):
             if rank:
                 step.objects.using(db).filter(run_id=run_id, phase=phase).update(phase_rank=rank)
 
