@@ -915,9 +915,10 @@ class EventRunResourceQuerySet(models.QuerySet):
         it); NULL without a step."""
         if step is None:
             return None
-        if known_rank(step) is not None:
-            return known_rank(step)
-        steps = self.model._meta.get_field("step").related_model._default_manager
+        rank = known_rank(step)
+        if rank is not None:
+            return rank
+        steps = _manager(self.model, "step")
         return models.Subquery(steps.filter(pk=_pk(step)).values("phase_rank")[:1])
 
     def bulk_record(

@@ -79,6 +79,11 @@ class Tally:
         )
         return f"{unit}: faults fired/tried {kinds}; every invariant held"
 
+    def report(self, figure: Callable[..., None], unit: str) -> None:
+        """Record the scenario's figure, and fail it when no fault fired at all."""
+        figure(self.figure(unit), True, tried=dict(self.tried), fired=dict(self.fired))
+        assert sum(self.fired.values()) > 0, self
+
 
 def _sample(positions: list[int]) -> list[int]:
     """Every position in ``make chaos``; the first, middle and last in ``make test``."""
@@ -287,8 +292,7 @@ def test_a_step_loses_nothing_to_a_fault_at_any_round_trip(
     tally = Tally()
     with _fast_path(fast, settings):
         _under_proxy_faults(proxied_db, tally, _step_input, _step_unit, _step_check)
-    figure(tally.figure("a step"), True, tried=dict(tally.tried), fired=dict(tally.fired))
-    assert sum(tally.fired.values()) > 0, tally
+    tally.report(figure, "a step")
 
 
 @PATHS
@@ -301,8 +305,7 @@ def test_a_step_loses_nothing_to_a_server_fault_at_any_write(
     tally = Tally()
     with _fast_path(fast, settings):
         _under_server_faults(tally, _step_input, _step_unit, _step_check)
-    figure(tally.figure("a step"), True, tried=dict(tally.tried), fired=dict(tally.fired))
-    assert sum(tally.fired.values()) > 0, tally
+    tally.report(figure, "a step")
 
 
 # ── a sweep pass ──
@@ -332,8 +335,7 @@ def test_a_sweep_pass_gives_back_once_whatever_round_trip_fails(
 ):  # C4, C5, #24
     tally = Tally()
     _under_proxy_faults(proxied_db, tally, _pass_input, _pass_unit, _pass_check)
-    figure(tally.figure("a sweep pass"), True, tried=dict(tally.tried), fired=dict(tally.fired))
-    assert sum(tally.fired.values()) > 0, tally
+    tally.report(figure, "a sweep pass")
 
 
 def test_a_sweep_pass_gives_back_once_whatever_write_the_server_fails(
@@ -342,8 +344,7 @@ def test_a_sweep_pass_gives_back_once_whatever_write_the_server_fails(
     faults.require_server()
     tally = Tally()
     _under_server_faults(tally, _pass_input, _pass_unit, _pass_check)
-    figure(tally.figure("a sweep pass"), True, tried=dict(tally.tried), fired=dict(tally.fired))
-    assert sum(tally.fired.values()) > 0, tally
+    tally.report(figure, "a sweep pass")
 
 
 # ── a sweep pass over three dependent phases (#26) ──
@@ -368,8 +369,7 @@ def test_a_phased_pass_keeps_the_order_whatever_round_trip_fails(
 ):  # C8, C4, #26
     tally = Tally()
     _under_proxy_faults(proxied_db, tally, _phased_input, _pass_unit, _phased_check, stride=4)
-    figure(tally.figure("a phased pass"), True, tried=dict(tally.tried), fired=dict(tally.fired))
-    assert sum(tally.fired.values()) > 0, tally
+    tally.report(figure, "a phased pass")
 
 
 def test_a_phased_pass_keeps_the_order_whatever_write_the_server_fails(
@@ -378,8 +378,7 @@ def test_a_phased_pass_keeps_the_order_whatever_write_the_server_fails(
     faults.require_server()
     tally = Tally()
     _under_server_faults(tally, _phased_input, _pass_unit, _phased_check)
-    figure(tally.figure("a phased pass"), True, tried=dict(tally.tried), fired=dict(tally.fired))
-    assert sum(tally.fired.values()) > 0, tally
+    tally.report(figure, "a phased pass")
 
 
 # ── a reconcile ──
@@ -420,8 +419,7 @@ def test_a_reconcile_orphans_once_whatever_round_trip_fails(
 ):  # C6, C7, #24
     tally = Tally()
     _under_proxy_faults(proxied_db, tally, _reconcile_input, _reconcile_unit, _reconcile_check)
-    figure(tally.figure("a reconcile"), True, tried=dict(tally.tried), fired=dict(tally.fired))
-    assert sum(tally.fired.values()) > 0, tally
+    tally.report(figure, "a reconcile")
 
 
 def test_a_reconcile_orphans_once_whatever_write_the_server_fails(
@@ -430,8 +428,7 @@ def test_a_reconcile_orphans_once_whatever_write_the_server_fails(
     faults.require_server()
     tally = Tally()
     _under_server_faults(tally, _reconcile_input, _reconcile_unit, _reconcile_check)
-    figure(tally.figure("a reconcile"), True, tried=dict(tally.tried), fired=dict(tally.fired))
-    assert sum(tally.fired.values()) > 0, tally
+    tally.report(figure, "a reconcile")
 
 
 # ── a prune (#28) ──
@@ -496,8 +493,7 @@ def test_a_prune_archives_each_run_once_whatever_round_trip_fails(
 ):  # #28, #24
     tally = Tally()
     _under_proxy_faults(proxied_db, tally, _prune_input(tmp_path), _prune_unit, _prune_check)
-    figure(tally.figure("a prune"), True, tried=dict(tally.tried), fired=dict(tally.fired))
-    assert sum(tally.fired.values()) > 0, tally
+    tally.report(figure, "a prune")
 
 
 def test_a_prune_archives_each_run_once_whatever_write_the_server_fails(
@@ -506,8 +502,7 @@ def test_a_prune_archives_each_run_once_whatever_write_the_server_fails(
     faults.require_server()
     tally = Tally()
     _under_server_faults(tally, _prune_input(tmp_path), _prune_unit, _prune_check)
-    figure(tally.figure("a prune"), True, tried=dict(tally.tried), fired=dict(tally.fired))
-    assert sum(tally.fired.values()) > 0, tally
+    tally.report(figure, "a prune")
 
 
 # ── #24, finding 2: a COMMIT whose answer was lost, and a cleanup before the client knew ──
