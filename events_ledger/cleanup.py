@@ -13,7 +13,6 @@ from functools import partial
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, connection, connections, transaction
-from django.db.models import Exists, OuterRef
 
 from . import signals
 from .conf import ledger_settings
@@ -33,7 +32,6 @@ from .deadline import CallResult, call_all, call_with_deadline
 from .envelopes import Verdict, classify_revert, read_reconcile
 from .logcontext import log_context
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
-from .querysets import EventRunQuerySet
 from .registry import Action
 from .registry import default_registry as registry
 from .states import RELEASED_UNCLEAN, CleanupStatus, ResourceStatus
@@ -147,24 +145,7 @@ def group_rows(rows: Iterable[EventRunResource], step_ttl: Any = None) -> list[G
     rows = list(rows)
     # The steps' action and key, once per step rather than once per row.
     step_ids = {r.step_id for r in rows if r.step_id is not None}
-    steps: dict[Any, tuple[Any, ...]] = {}
-    if step_ids:
-        qs = EventRunStep.objects.filter(pk__in=step_ids)
-        if step_ttl is not None:
-            live = EventRunStep.objects.in_flight(step_ttl).filter(pk=OuterRef("pk"))
-            qs = qs.annotate(live=Exists(live))
-            fields: tuple[str, ...] = (
-                "pk",
-                "action_id",
-                "idempotency_key",
-                "claimed_by",
-                "claimed_at",
-                "live",
-                "seq",
-            )
-        else:
-            fields = ("pk", "action_id", "idempotency_key")
-        steps = {found[0]: found[1:] for found in qs.values_list(*fields)}
+    steps = EventRunStep.objects.for_giving_back(step_ids, step_ttl)
     leases: list[Group] = []
     by_step: dict[Any, Group] = {}
     for row in rows:
@@ -209,7 +190,7 @@ def _groups_for(runs: Sequence[EventRun], human: bool) -> list[Group]:
     the last phase first, and those that wait behind a later phase after them."""
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
-    rows = list(Res.unresolved_for_runs(runs))
+    rows = Res.unresolved_rows_of(runs)
 
     def spent(row: EventRunResource) -> bool:
         return row.revert_attempts >= max_attempts or row.claim_count >= max_claims
@@ -1076,23 +1057,23 @@ def sweep(
     costs the one run it was for; only a failed scan, when nothing can be worked at
     all, raises.
     """
-    runs = EventRun.objects.all().in_scope(scope)
     with dropping_dead(), statements_retried():
-        report = _sweep(runs, limit, should_stop)
+        report = _sweep(scope, limit, should_stop)
     report.in_hand = len(_backlog)
     return report
 
 
 def _sweep(
-    candidates: EventRunQuerySet, limit: int | None, should_stop: Callable[[], bool] | None
+    scope: str | None, limit: int | None, should_stop: Callable[[], bool] | None
 ) -> SweepReport:
     report = SweepReport()
+    candidates = EventRun.objects.all()
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
     _finish_earlier_passes()
     try:
         report.repaired_runs = candidates.repair_cleanup_summaries(
-            max_attempts, max_claims, ledger_settings.GIVE_BACK_IN_ORDER
+            max_attempts, max_claims, ledger_settings.GIVE_BACK_IN_ORDER, scope=scope
         )
         signals.summaries_repaired(report.repaired_runs)  # #15: after the repair's commit
     except DatabaseError as exc:
@@ -1107,6 +1088,8 @@ def _sweep(
             max_claims,
             step_ttl=ledger_settings.STEP_CLAIM_TTL,
             ordered=ledger_settings.GIVE_BACK_IN_ORDER,
+            scope=scope,
+            claim_ttl=ledger_settings.REVERT_CLAIM_TTL,
         )
     )
     runs = [run for run in runs if run.status in EventRun.TERMINAL]

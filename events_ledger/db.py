@@ -377,14 +377,24 @@ def unretried(conn: Any) -> Iterator[None]:
 class _Compiled:
     sql: str
     params: tuple[Any, ...]
-    #: (position in params, slot name, type) for every value the caller passes; the type
-    #: is the one the ORM bound (psycopg's ``Int4`` for a PositiveIntegerField, say).
-    slots: tuple[tuple[int, str, Callable[[Any], Any]], ...]
+    #: (position in params, slot name and, for a list slot, the element's index, type)
+    #: for every value the caller passes; the type is the one the ORM bound (psycopg's
+    #: ``Int4`` for a PositiveIntegerField, say).
+    slots: tuple[tuple[int, tuple[str, int | None], Callable[[Any], Any]], ...]
     #: A SELECT's converters, as the ORM applies them: (column, converters, expression).
     converters: tuple[tuple[int, tuple[Callable[..., Any], ...], Any], ...]
 
 
-def _stand_in(kind: type, name: str, index: int, variant: int) -> Any:
+#: A list slot (of whole numbers: ids) longer than this is compiled for its call only, as
+#: the ORM would, rather than kept: one statement is kept per length.
+LIST_SLOT_KEPT = 256
+
+
+def _stand_in(kind: type, name: str, index: int, variant: int, element: int | None = None) -> Any:
+    if kind is list:
+        # Apart from the scalar ones below, and inside a 32-bit column's range too.
+        assert element is not None and element < 100_000, element
+        return 2_010_000_000 + 50_000_000 * variant + 100_000 * index + element
     if kind is int:
         # Inside every integer column's range: Django 5 answers a lookup out of range
         # without asking the database, which would compile to a different statement.
@@ -392,7 +402,9 @@ def _stand_in(kind: type, name: str, index: int, variant: int) -> Any:
     return f"\x1fslot {name} {variant}\x1f"
 
 
-def _slot_of(names: dict[tuple[type, Any], tuple[str, int]], param: Any) -> tuple[str, int] | None:
+def _slot_of(
+    names: dict[tuple[type, Any], tuple[tuple[str, int | None], int]], param: Any
+) -> tuple[tuple[str, int | None], int] | None:
     for kind in (int, str):
         if isinstance(param, kind) and not isinstance(param, bool):
             return names.get((kind, kind(param)))
@@ -437,11 +449,13 @@ class Prepared:
     depends on (a TTL, a list of statuses), each distinct tuple compiled once; a slot's
     value is only handed to the ORM, never looked at by ``build``. A slot
     takes an ``int`` or a ``str``, or None where the statement SETs it (a WHERE would
-    compare with NULL, never true; the ORM writes IS NULL there).
+    compare with NULL, never true; the ORM writes IS NULL there). A ``list`` slot takes
+    a non-empty list of whole numbers (an ``__in`` of ids): the statement is compiled
+    once per length, up to ``LIST_SLOT_KEPT``.
     """
 
     def __init__(self, build: Callable[..., Any], **slots: type) -> None:
-        assert all(kind in (int, str) for kind in slots.values()), slots
+        assert all(kind in (int, str, list) for kind in slots.values()), slots
         self._build = build
         self._slots = slots
         self._cache: dict[tuple[Any, ...], _Compiled] = {}
@@ -452,7 +466,7 @@ class Prepared:
         """Run the SELECT on ``queryset``'s database; answers its rows, converted."""
         using = queryset.db
         conn = connections[using]
-        compiled = self._compiled(queryset, conn, fixed)
+        compiled = self._compiled(queryset, conn, fixed, values)
         with conn.cursor() as cursor:
             cursor.execute(compiled.sql, self._params(compiled, values))
             rows = cursor.fetchall()
@@ -463,7 +477,11 @@ class Prepared:
     ) -> list[tuple[Any, ...]]:
         """The rows a SELECT sent as ``statement()`` read, converted as ``rows()`` does."""
         conn = connections[queryset.db]
-        return self._converted(self._compiled(queryset, conn, fixed), conn, rows)
+        # The converters are the columns' alone: any stand-ins compile the same.
+        lists = sum(1 for kind in self._slots.values() if kind is list)
+        stand_ins = self._stand_ins((1,) * lists, 0)
+        base = queryset.model._default_manager.all()
+        return self._converted(self._compiled(base, conn, fixed, stand_ins), conn, rows)
 
     def _converted(self, compiled: _Compiled, conn: Any, rows: Any) -> list[tuple[Any, ...]]:
         if not compiled.converters:
@@ -488,7 +506,7 @@ class Prepared:
             queryset.model, **getattr(queryset, "_hints", {})
         )
         conn = connections[using]
-        compiled = self._compiled(queryset, conn, fixed)
+        compiled = self._compiled(queryset, conn, fixed, values)
         with transaction.mark_for_rollback_on_error(using=using), conn.cursor() as cursor:
             cursor.execute(compiled.sql, self._params(compiled, values))
             return int(cursor.rowcount)
@@ -497,45 +515,82 @@ class Prepared:
         """The statement with these values, unsent: for ``Trips.send``. Its answer there
         is what ``update()`` or ``rows()`` would answer, less the SELECT's converters."""
         conn = connections[queryset.db]
-        compiled = self._compiled(queryset, conn, fixed)
+        compiled = self._compiled(queryset, conn, fixed, values)
         return compiled.sql, self._params(compiled, values)
 
     def _params(self, compiled: _Compiled, values: dict[str, Any]) -> tuple[Any, ...]:
         params = list(compiled.params)
-        for pos, name, kind in compiled.slots:
-            value = values[name]
+        for pos, (name, element), kind in compiled.slots:
+            value = values[name] if element is None else values[name][element]
             params[pos] = None if value is None else kind(value)
         return tuple(params)
 
     def _compiled(
-        self, queryset: models.QuerySet[Any], conn: Any, fixed: tuple[Any, ...]
+        self,
+        queryset: models.QuerySet[Any],
+        conn: Any,
+        fixed: tuple[Any, ...],
+        values: dict[str, Any],
     ) -> _Compiled:
-        if queryset.query.where:
-            # A caller's own filters are no part of the statement: compiled for this
-            # call only, as the ORM would.
-            return self._compile(queryset, conn, fixed)
-        key = (conn.alias, conn.vendor, fixed)
+        lengths = tuple(len(values[name]) for name, kind in self._slots.items() if kind is list)
+        if not all(lengths):
+            raise ValueError(f"{self._build}: a list slot is empty (the ORM would send nothing)")
+        if queryset.query.where or any(n > LIST_SLOT_KEPT for n in lengths):
+            # A caller's own filters are no part of the statement, and a long list is
+            # kept nowhere: compiled for this call only, as the ORM would.
+            return self._once(queryset, conn, fixed, values)
+        key = (conn.alias, conn.vendor, fixed, lengths)
         found = self._cache.get(key)
         if found is None:
             with _compiling.lock:
                 found = self._cache.get(key)
                 if found is None:
                     found = self._cache[key] = self._compile(
-                        queryset.model._default_manager.all(), conn, fixed
+                        queryset.model._default_manager.all(), conn, fixed, lengths
                     )
         return found
 
-    def _compile(self, base: models.QuerySet[Any], conn: Any, fixed: tuple[Any, ...]) -> _Compiled:
+    def _once(
+        self,
+        queryset: models.QuerySet[Any],
+        conn: Any,
+        fixed: tuple[Any, ...],
+        values: dict[str, Any],
+    ) -> _Compiled:
+        """The statement with the caller's own values, compiled for this call only."""
+        sql, params, converters = self._sql(queryset, conn, fixed, values)
+        return _Compiled(sql, params, (), converters)
+
+    def _stand_ins(self, lengths: tuple[int, ...], variant: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        sizes = iter(lengths)
+        for i, (name, kind) in enumerate(self._slots.items()):
+            if kind is list:
+                out[name] = [_stand_in(list, name, i, variant, j) for j in range(next(sizes))]
+            else:
+                out[name] = _stand_in(kind, name, i, variant)
+        return out
+
+    def _compile(
+        self,
+        base: models.QuerySet[Any],
+        conn: Any,
+        fixed: tuple[Any, ...],
+        lengths: tuple[int, ...],
+    ) -> _Compiled:
         (sql, params, converters), (other_sql, other_params, _) = (
-            self._sql(base, conn, fixed, variant) for variant in (0, 1)
+            self._sql(base, conn, fixed, self._stand_ins(lengths, variant)) for variant in (0, 1)
         )
         if sql != other_sql or len(params) != len(other_params):
             raise ValueError(f"the SQL of {self._build} depends on its slots' values")
-        names = {
-            (kind, _stand_in(kind, name, i, variant)): (name, variant)
-            for i, (name, kind) in enumerate(self._slots.items())
-            for variant in (0, 1)
-        }
+        names: dict[tuple[type, Any], tuple[tuple[str, int | None], int]] = {}
+        for variant in (0, 1):
+            for name, value in self._stand_ins(lengths, variant).items():
+                if isinstance(value, list):
+                    for j, element in enumerate(value):
+                        names[(int, element)] = ((name, j), variant)
+                else:
+                    names[(type(value), value)] = ((name, None), variant)
         slots = []
         for pos, (one, other) in enumerate(zip(params, other_params, strict=True)):
             if type(one) is type(other) and one == other:
@@ -550,19 +605,15 @@ class Prepared:
             ):
                 raise ValueError(f"parameter {pos} of {self._build} is no slot's: {one!r}")
             slots.append((pos, first[0], type(one)))
-        missing = set(self._slots) - {name for _, name, _ in slots}
+        missing = set(self._slots) - {name for _, (name, _), _ in slots}
         if missing:
             raise ValueError(f"{self._build} does not use the slots {sorted(missing)}")
         return _Compiled(sql, params, tuple(slots), converters)
 
     def _sql(
-        self, base: models.QuerySet[Any], conn: Any, fixed: tuple[Any, ...], variant: int
+        self, base: models.QuerySet[Any], conn: Any, fixed: tuple[Any, ...], values: dict[str, Any]
     ) -> tuple[str, tuple[Any, ...], tuple[Any, ...]]:
-        stand_ins = {
-            name: _stand_in(kind, name, i, variant)
-            for i, (name, kind) in enumerate(self._slots.items())
-        }
-        built = self._build(base, *fixed, **stand_ins)
+        built = self._build(base, *fixed, **values)
         if isinstance(built, tuple):
             queryset, values = built
             # As QuerySet.update() builds it.

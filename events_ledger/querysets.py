@@ -154,6 +154,56 @@ _MARK_DIRTY_IF_LIVE = Prepared(
 )
 
 
+def _settle_runs(
+    base: Any, max_attempts: int, max_claims: int, ordered: bool, *, runs: list[int]
+) -> tuple[Any, dict[str, Any]]:
+    derived = base._derived_cleanup_status(max_attempts, max_claims, ordered)
+    return base.filter(pk__in=runs), {"cleanup_status": derived, "updated_at": UtcNow()}
+
+
+# A pass's settling, compiled once per batch size: the derived summary is the largest
+# expression the pass builds (#27: a pass's Python, not its statements, was its cost).
+_SETTLE_RUNS = Prepared(_settle_runs, runs=list)
+_SUMMARIES = Prepared(
+    lambda base, *, runs: (
+        base.filter(pk__in=runs)
+        .with_unresolved_count()
+        .values_list("pk", "cleanup_status", "unresolved_count")
+    ),
+    runs=list,
+)
+
+
+def _disagreeing(base: Any, max_attempts: int, max_claims: int, ordered: bool, **scope: str) -> Any:
+    """Terminal runs whose summary their rows contradict (``pending``/``incomplete``
+    the derived summary disagrees with), and those whose rows were recorded after
+    their cleanup ended (``complete``/``not_required`` over unresolved rows): one
+    statement, a round trip on every pass (#27)."""
+    derived = base._derived_cleanup_status(max_attempts, max_claims, ordered)
+    contradicted = (
+        base.terminal()
+        .filter(cleanup_status__in=(CleanupStatus.PENDING, CleanupStatus.INCOMPLETE), **scope)
+        .alias(derived=derived)
+        .exclude(cleanup_status=F("derived"))
+        .values_list("pk")
+    )
+    unresolved = _manager(base.model, "resources").filter(status__in=UNRESOLVED)
+    forgotten = (
+        base.terminal()
+        .filter(
+            cleanup_status__in=(CleanupStatus.COMPLETE, CleanupStatus.NOT_REQUIRED),
+            pk__in=_runs_of(unresolved),
+            **scope,
+        )
+        .values_list("pk")
+    )
+    return contradicted.union(forgotten)
+
+
+_DISAGREEING = Prepared(_disagreeing)
+_DISAGREEING_IN_SCOPE = Prepared(_disagreeing, scope=str)
+
+
 class EventRunQuerySet(models.QuerySet):
     def terminal(self) -> EventRunQuerySet:
         return self.filter(status__in=RUN_TERMINAL)
@@ -230,17 +280,17 @@ class EventRunQuerySet(models.QuerySet):
         ids = _pks(runs)
         if not ids:
             return {}
-        derived = self._derived_cleanup_status(max_attempts, max_claims, ordered)
-        retrying_deadlocks(
-            lambda: self.filter(pk__in=ids).update(cleanup_status=derived, updated_at=UtcNow()),
-            using=self.db,
-            savepoint=False,
-        )
+        fixed = (max_attempts, max_claims, ordered)
+        for part in chunked(ids):
+            retrying_deadlocks(
+                partial(_SETTLE_RUNS.update, self, *fixed, runs=part),
+                using=self.db,
+                savepoint=False,
+            )
         return {
             pk: (status, count)
-            for pk, status, count in self.filter(pk__in=ids)
-            .with_unresolved_count()
-            .values_list("pk", "cleanup_status", "unresolved_count")
+            for part in chunked(ids)
+            for pk, status, count in _SUMMARIES.rows(self, runs=part)
         }
 
     def settle_cleanup(
@@ -255,7 +305,7 @@ class EventRunQuerySet(models.QuerySet):
         return self.settle_cleanups([run], max_attempts, max_claims, ordered)[_pk(run)]
 
     def repair_cleanup_summaries(
-        self, max_attempts: int, max_claims: int, ordered: bool = True
+        self, max_attempts: int, max_claims: int, ordered: bool = True, *, scope: str | None = None
     ) -> list[tuple[int, str]]:
         """Re-derive the summary of terminal runs whose summary disagrees with their rows;
         answers each repaired run with the summary it now has.
@@ -269,30 +319,17 @@ class EventRunQuerySet(models.QuerySet):
         A SELECT of the candidates, then one UPDATE by id that derives the summary from
         the rows in the statement: MySQL refuses an UPDATE whose WHERE reads the table
         it updates (error 1093), and the derived value is still decided by the UPDATE.
+        With ``scope``, only runs of that scope.
         """
-        derived = self._derived_cleanup_status(max_attempts, max_claims, ordered)
-        rows = _manager(self.model, "resources")
-        contradicted = (
-            self.terminal()
-            .filter(cleanup_status__in=(CleanupStatus.PENDING, CleanupStatus.INCOMPLETE))
-            .alias(derived=derived)
-            .exclude(cleanup_status=F("derived"))
-            .values_list("pk", flat=True)
-        )
-        forgotten = (
-            self.terminal()
-            .filter(
-                cleanup_status__in=(CleanupStatus.COMPLETE, CleanupStatus.NOT_REQUIRED),
-                pk__in=_runs_of(rows.filter(status__in=UNRESOLVED)),
-            )
-            .values_list("pk", flat=True)
-        )
-        ids = sorted(
-            {*retrying_deadlocks(lambda: list(contradicted), using=self.db)}
-            | {*retrying_deadlocks(lambda: list(forgotten), using=self.db)}
-        )
+        fixed = (max_attempts, max_claims, ordered)
+        if scope is None:
+            disagreeing = partial(_DISAGREEING.rows, self, *fixed)
+        else:
+            disagreeing = partial(_DISAGREEING_IN_SCOPE.rows, self, *fixed, scope=scope)
+        ids = sorted({pk for (pk,) in retrying_deadlocks(disagreeing, using=self.db)})
         if not ids:
             return []
+        derived = self._derived_cleanup_status(max_attempts, max_claims, ordered)
         retrying_deadlocks(
             lambda: (
                 self.filter(pk__in=ids)
@@ -328,30 +365,68 @@ class EventRunQuerySet(models.QuerySet):
         max_claims: int | None = None,
         step_ttl: timedelta | None = None,
         ordered: bool = True,
+        *,
+        scope: str | None = None,
+        claim_ttl: timedelta | None = None,
     ) -> list[EventRun]:
-        """Terminal runs with a row the sweep will still try, by id.
+        """Terminal runs with a row the sweep will still try, by id (of ``scope`` only,
+        when given).
 
         ``not_required`` is in the list because a run whose only row is a lease may
         never have been marked dirty; the attempt bound is there so a run whose rows
         are spent is not picked up on every pass for ever.
+
+        With ``claim_ttl``, a row another sweeper claimed less than that long ago is
+        its work, not this scan's: eight sweepers started together all took the same
+        first runs of the backlog and split them, so each pass gave back a run or two
+        and more sweepers gave back less (#27). A claim gone stale is taken again.
         """
-        owing = _manager(self.model, "resources").progressing(max_attempts, max_claims, ordered)
-        runs = self.terminal().filter(
-            cleanup_status__in=(CleanupStatus.PENDING, CleanupStatus.NOT_REQUIRED),
-            pk__in=_runs_of(owing),
-        )
-        if step_ttl is None:
-            return list(runs.order_by("pk")[:limit])
-        # Runs with something to give back now come first; a run whose only retryable
-        # rows wait for a step in flight fills what is left of the batch (it is worked
-        # to report what it waits for). Taking it first on every pass would starve the
-        # runs behind it once a batch's worth of steps hang.
-        steps = _manager(self.model, "steps")
-        ready = owing.exclude(Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id"))))
-        # An IN of the ready rows' runs, not a correlated EXISTS per run: MariaDB planned
-        # that as a read of every step.
-        first = ExpressionWrapper(Q(pk__in=_runs_of(ready)), output_field=BooleanField())
-        return list(runs.alias(ready=first).order_by(F("ready").desc(), "pk")[:limit])
+        fixed = (limit, max_attempts, max_claims, step_ttl, ordered, claim_ttl)
+        if scope is None:
+            found = _NEEDING_CLEANUP.rows(self, *fixed)
+        else:
+            found = _NEEDING_CLEANUP_IN_SCOPE.rows(self, *fixed, scope=scope)
+        names = [f.attname for f in self.model._meta.concrete_fields]
+        return [self.model.from_db(self.db, names, row) for row in found]
+
+
+def _needing_cleanup(
+    base: Any,
+    limit: int,
+    max_attempts: int,
+    max_claims: int | None,
+    step_ttl: timedelta | None,
+    ordered: bool,
+    claim_ttl: timedelta | None,
+    **scope: str,
+) -> Any:
+    owing = _manager(base.model, "resources").progressing(max_attempts, max_claims, ordered)
+    if claim_ttl is not None:
+        owing = owing.exclude(status=ResourceStatus.REVERTING, updated_at__gte=UtcNow() - claim_ttl)
+    runs = base.terminal().filter(
+        cleanup_status__in=(CleanupStatus.PENDING, CleanupStatus.NOT_REQUIRED),
+        pk__in=_runs_of(owing),
+        **scope,
+    )
+    columns = [f.attname for f in base.model._meta.concrete_fields]
+    if step_ttl is None:
+        return runs.order_by("pk").values_list(*columns)[:limit]
+    # Runs with something to give back now come first; a run whose only retryable
+    # rows wait for a step in flight fills what is left of the batch (it is worked
+    # to report what it waits for). Taking it first on every pass would starve the
+    # runs behind it once a batch's worth of steps hang.
+    steps = _manager(base.model, "steps")
+    ready = owing.exclude(Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id"))))
+    # An IN of the ready rows' runs, not a correlated EXISTS per run: MariaDB planned
+    # that as a read of every step.
+    first = ExpressionWrapper(Q(pk__in=_runs_of(ready)), output_field=BooleanField())
+    ordered_runs = runs.alias(ready=first).order_by(F("ready").desc(), "pk")
+    return ordered_runs.values_list(*columns)[:limit]
+
+
+# The sweep's scan, compiled once: #27, a pass's Python was its cost.
+_NEEDING_CLEANUP = Prepared(_needing_cleanup)
+_NEEDING_CLEANUP_IN_SCOPE = Prepared(_needing_cleanup, scope=str)
 
 
 # ── steps ─────────────────────────────────────────────────────────────────────
@@ -670,6 +745,17 @@ class EventRunStepQuerySet(models.QuerySet):
         """Steps a call of which may still change the world: claimed, claim fresh."""
         return self.filter(status=StepStatus.RUNNING, claimed_at__gte=UtcNow() - ttl)
 
+    def for_giving_back(self, steps: Iterable[Any], ttl: timedelta | None) -> dict[Any, tuple]:
+        """What giving back the steps' rows needs of each step, by id: its action and
+        key and, with ``ttl``, who holds it, since when, whether it is in flight, and
+        its place in the run. One statement, compiled once per size (#27)."""
+        ids = sorted(_pks(steps))
+        return {
+            found[0]: found[1:]
+            for part in (chunked(ids) if ids else [])
+            for found in _STEPS_FOR_GIVING_BACK.rows(self, ttl, steps=part)
+        }
+
     def settle(self, step: Any, token: str, status: str, error: str | None = None) -> bool:
         """Write a step's outcome, only while the caller's claim is still the current one.
 
@@ -695,6 +781,19 @@ class EventRunStepQuerySet(models.QuerySet):
             )
             == 1
         )
+
+
+def _steps_for_giving_back(base: Any, ttl: timedelta | None, *, steps: list[int]) -> Any:
+    qs = base.filter(pk__in=steps)
+    if ttl is None:
+        return qs.values_list("pk", "action_id", "idempotency_key")
+    live = base.model._default_manager.in_flight(ttl).filter(pk=OuterRef("pk"))
+    return qs.annotate(live=Exists(live)).values_list(
+        "pk", "action_id", "idempotency_key", "claimed_by", "claimed_at", "live", "seq"
+    )
+
+
+_STEPS_FOR_GIVING_BACK = Prepared(_steps_for_giving_back, steps=list)
 
 
 # ── the ledger ────────────────────────────────────────────────────────────────
@@ -772,6 +871,66 @@ _RESOLVE_PLACEHOLDER = Prepared(
 )
 
 
+def _claim_values(token: str) -> dict[str, Any]:
+    return {
+        "status": ResourceStatus.REVERTING,
+        "claim_token": token,
+        "claim_count": F("claim_count") + 1,
+        "updated_at": UtcNow(),
+    }
+
+
+def _claim_rows(
+    base: Any,
+    ttl: timedelta,
+    step_ttl: timedelta | None,
+    ordered: bool,
+    *,
+    rows: list[int],
+    token: str,
+    runs: Sequence[int] = (),
+    ranks: Sequence[int] = (),
+) -> tuple[Any, dict[str, Any]]:
+    """R5: the claim of live (or stale-claimed) rows, each row its own compare-and-set;
+    with ``step_ttl`` not while their step is in flight; ``ordered``, C8."""
+    qs = base
+    if step_ttl is not None:
+        steps = _manager(base.model, "step").in_flight(step_ttl)
+        qs = qs.exclude(Exists(steps.filter(pk=OuterRef("step_id"))))
+    qs = qs.filter(pk__in=rows)
+    if ordered:
+        qs = qs.filter(base._in_last_phase(runs, ranks, step_ttl))
+    return qs.filter(Q(status__in=LIVE) | base._stale_claim(ttl)), _claim_values(token)
+
+
+_CLAIM_ROWS = Prepared(_claim_rows, rows=list, token=str)
+_CLAIM_ROWS_IN_ORDER = Prepared(_claim_rows, rows=list, token=str, runs=list, ranks=list)
+
+
+_UNRESOLVED_OF_RUNS = Prepared(
+    lambda base, *, runs: (
+        base.filter(run__in=runs)
+        .unresolved()
+        .order_by("run_id", "pk")
+        .values_list(*[f.attname for f in base.model._meta.concrete_fields])
+    ),
+    runs=list,
+)
+_MARK_REVERTED = Prepared(
+    lambda base, *, rows, token: (
+        base.filter(pk__in=rows, status=ResourceStatus.REVERTING, claim_token=token),
+        {
+            "status": ResourceStatus.REVERTED,
+            "last_error": None,
+            "claim_count": 0,
+            "updated_at": UtcNow(),
+        },
+    ),
+    rows=list,
+    token=str,
+)
+
+
 class EventRunResourceQuerySet(models.QuerySet):
     # ── filters ──
 
@@ -810,39 +969,44 @@ class EventRunResourceQuerySet(models.QuerySet):
         )
         return qs.exclude(Exists(stuck))
 
-    def _in_last_phase(self, pairs: set[tuple[int, int | None]], step_ttl: timedelta | None) -> Any:
-        """C8, inside a claim of rows of the (run, rank) ``pairs``: a row goes only while
-        no row of a later phase of its run is unresolved and, with ``step_ttl``, no step
-        of a later phase is in flight (a call of it may still make something). A row
-        standing alone (no rank) neither waits nor holds.
+    def _in_last_phase(
+        self, runs: Sequence[int], ranks: Sequence[int], step_ttl: timedelta | None
+    ) -> Any:
+        """C8, inside a claim of rows of the (run, rank) pairs ``runs``/``ranks``: a row
+        goes only while no row of a later phase of its run is unresolved and, with
+        ``step_ttl``, no step of a later phase is in flight (a call of it may still make
+        something). A row standing alone (no rank) neither waits nor holds.
 
-        Asked once per statement for the pairs the claim is about, as constants: one
-        probe of the (run, status, rank) index per pair and status, empty in the common
-        case. Asked per row (a correlated subquery) it was quadratic in a run's rows:
-        PostgreSQL hashed the run's rows and compared each row with all of them, and
-        MariaDB, inside the claim's transaction, walked the entries its own earlier
-        chunks had just changed (minutes, and seconds, for a 100,000-row answer). A row
-        whose pair was not asked about does not go. MySQL refuses an UPDATE whose
-        subquery reads its own table (error 1093) unless it reads a materialised
-        derived table; MariaDB takes the same form."""
+        Asked once per statement for the pairs the claim is about, each pair's values
+        sent as the statement's own (the drivers write them in, so each pair's question
+        is a range of the (run, status, rank) index, empty in the common case). Asked
+        per row (a correlated subquery) it was quadratic in a run's rows: PostgreSQL
+        hashed the run's rows and compared each row with all of them, and MariaDB,
+        inside the claim's transaction, walked the entries its own earlier chunks had
+        just changed (minutes, and seconds, for a 100,000-row answer). A row whose pair
+        was not asked about does not go. MySQL refuses an UPDATE whose subquery reads
+        its own table (error 1093) unless it reads a materialised derived table;
+        MariaDB takes the same form."""
         conn = connections[self.db]
         quote = conn.ops.quote_name
         table = quote(self.model._meta.db_table)
         run, rank, status = quote("run_id"), quote("phase_rank"), quote("status")
-        ranked = sorted((int(r), int(k)) for r, k in pairs if k is not None)
-        if not ranked:
-            sql, params = f"{table}.{rank} IS NULL", []
+        params: list[Any] = []
+        if not runs:
+            sql = f"{table}.{rank} IS NULL"
         else:
-            # Whole numbers the database gave, written into the statement as they are:
-            # as constants, each pair's question is a range of the index.
-            asked = " UNION ALL ".join(f"SELECT {r} AS r, {k} AS k" for r, k in ranked)
+            # Typed, so a server that binds parameters itself knows the columns' type.
+            num = "CAST(%s AS SIGNED)" if conn.vendor == "mysql" else "CAST(%s AS INTEGER)"
+            asked = " UNION ALL ".join([f"SELECT {num} AS r, {num} AS k"] * len(runs))
             marks = ", ".join(["%s"] * len(UNRESOLVED))
             one_row = " FROM DUAL" if conn.vendor == "mysql" else ""
             blocked = " UNION ALL ".join(
-                f"SELECT {r} AS r, {k} AS k{one_row} WHERE EXISTS (SELECT 1 FROM {table} "
-                f"later WHERE later.{run} = {r} AND later.{status} IN ({marks}) "
-                f"AND later.{rank} > {k})"
-                for r, k in ranked
+                [
+                    f"SELECT {num} AS r, {num} AS k{one_row} WHERE EXISTS (SELECT 1 FROM "
+                    f"{table} later WHERE later.{run} = %s AND later.{status} IN ({marks}) "
+                    f"AND later.{rank} > %s)"
+                ]
+                * len(runs)
             )
             if conn.vendor == "mysql":
                 blocked = f"SELECT * FROM ({blocked}) AS blocked"
@@ -851,7 +1015,10 @@ class EventRunResourceQuerySet(models.QuerySet):
                 f"({table}.{rank} IS NULL OR ({mine} IN (SELECT r, k FROM ({asked}) pairs) "
                 f"AND {mine} NOT IN ({blocked})))"
             )
-            params = [str(s) for s in UNRESOLVED] * len(ranked)
+            params += [v for pair in zip(runs, ranks, strict=True) for v in pair]
+            statuses = [str(s) for s in UNRESOLVED]
+            for r, k in zip(runs, ranks, strict=True):
+                params += [r, k, r, *statuses, k]
         goes: Any = ExpressionWrapper(RawSQL(sql, params), output_field=BooleanField())
         if step_ttl is not None:
             steps = _manager(self.model, "step").in_flight(step_ttl)
@@ -1258,6 +1425,17 @@ class EventRunResourceQuerySet(models.QuerySet):
             qs = qs.retryable(max_attempts, max_claims)
         return qs
 
+    def unresolved_rows_of(self, runs: Iterable[Any]) -> list[EventRunResource]:
+        """``unresolved_for_runs`` read, its statement compiled once per batch size (#27:
+        a sweep pass reads it every time)."""
+        ids = _pks(runs)
+        names = [f.attname for f in self.model._meta.concrete_fields]
+        return [
+            self.model.from_db(self.db, names, row)
+            for part in (chunked(ids) if ids else [])
+            for row in _UNRESOLVED_OF_RUNS.rows(self, runs=part)
+        ]
+
     def unresolved_count(self, run: Any) -> int:
         return self.filter(run=_pk(run)).unresolved().count()
 
@@ -1329,12 +1507,7 @@ class EventRunResourceQuerySet(models.QuerySet):
             for o in (pks if isinstance(pks, (list, tuple)) else [])
             if isinstance(o, self.model)
         }
-        values = {
-            "status": ResourceStatus.REVERTING,
-            "claim_token": token,
-            "claim_count": F("claim_count") + 1,
-            "updated_at": UtcNow(),
-        }
+        values = _claim_values(token)
         base = self.all()
         if step_ttl is not None:
             steps = self.model._meta.get_field("step").related_model._default_manager
@@ -1347,13 +1520,36 @@ class EventRunResourceQuerySet(models.QuerySet):
         # needs no savepoint inside the caller's transaction.
         for part in chunked(ids):
             rows = base.filter(pk__in=part)
+            pairs: dict[str, list[int]] = {"runs": [], "ranks": []}
             if ordered:
-                pairs = {(known[pk].run_id, known[pk].phase_rank) for pk in part if pk in known}
-                rows = rows.filter(self._in_last_phase(pairs, step_ttl))
-            live = rows.filter(Q(status__in=LIVE) | self._stale_claim(ttl))
-            retrying_deadlocks(partial(live.update, **values), using=self.db, savepoint=False)
+                ranked = sorted(
+                    {
+                        (int(known[pk].run_id), int(known[pk].phase_rank))
+                        for pk in part
+                        if pk in known and known[pk].phase_rank is not None
+                    }
+                )
+                pairs = {"runs": [r for r, _ in ranked], "ranks": [k for _, k in ranked]}
+            # #27: the pass's claim compiled once per size, not built anew each pass.
+            claim = _CLAIM_ROWS_IN_ORDER if pairs["runs"] else _CLAIM_ROWS
+            retrying_deadlocks(
+                partial(
+                    claim.update,
+                    self,
+                    ttl,
+                    step_ttl,
+                    ordered,
+                    rows=part,
+                    token=token,
+                    **(pairs if pairs["runs"] else {}),
+                ),
+                using=self.db,
+                savepoint=False,
+            )
             if not released:
                 continue
+            if ordered:
+                rows = rows.filter(self._in_last_phase(pairs["runs"], pairs["ranks"], step_ttl))
             try:
                 unclean = rows.filter(status__in=RELEASED_UNCLEAN)
                 retrying_deadlocks(partial(unclean.update, **values), using=self.db)
@@ -1466,6 +1662,13 @@ class EventRunResourceQuerySet(models.QuerySet):
     def mark_reverted(self, pks: Any, token: str | None = None) -> int:
         """The revert worked: ``reverting → reverted`` (terminal; releases the target,
         clears the error). With ``token``, only while that claim is the current one."""
+        if token is not None:
+            # #27: a pass writes this every time; compiled once per size.
+            return sum(
+                _MARK_REVERTED.update(self, rows=part, token=token)
+                for part in chunked(_pks(pks))
+                if part
+            )
         return sum(
             qs.update(
                 status=ResourceStatus.REVERTED, last_error=None, claim_count=0, updated_at=UtcNow()

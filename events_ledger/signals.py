@@ -129,15 +129,19 @@ def cleanup_done(runs: Sequence[EventRun], summaries: dict[int, Any], lanes: Ite
         settled = copy.copy(run)  # the caller's instance keeps what it read
         settled.cleanup_status = summary.cleanup_status
         _send(cleanup_worked, EventRun, run=settled, summary=summary)
-        if summary.drifted and run.pk in drifted:
+        # The rows' querysets only for a signal somebody listens to: building them for
+        # nobody was a tenth of a sweep pass's Python (#27).
+        if summary.drifted and run.pk in drifted and lease_drifted.has_listeners(EventRun):
             rows = Res.filter(pk__in=drifted[run.pk], status=ResourceStatus.DRIFTED)
             _send(lease_drifted, EventRun, run=settled, resources=rows)
         if summary.cleanup_status == CleanupStatus.INCOMPLETE:
-            rows = Res.filter(run=run.pk).unresolved()
-            _send(cleanup_incomplete, EventRun, run=settled, resources=rows, summary=summary)
+            if cleanup_incomplete.has_listeners(EventRun):
+                rows = Res.filter(run=run.pk).unresolved()
+                _send(cleanup_incomplete, EventRun, run=settled, resources=rows, summary=summary)
         elif summary.cleanup_status == CleanupStatus.COMPLETE:
-            rows = Res.filter(run=run.pk)
-            _send(cleanup_complete, EventRun, run=settled, resources=rows, summary=summary)
+            if cleanup_complete.has_listeners(EventRun):
+                rows = Res.filter(run=run.pk)
+                _send(cleanup_complete, EventRun, run=settled, resources=rows, summary=summary)
 
 
 @_quietly("a summary repair")

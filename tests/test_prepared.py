@@ -168,7 +168,7 @@ def test_threads_share_one_compiled_statement_per_database():  # steps run in ma
     for thread in threads:
         thread.join()
     assert answers == {s.pk: "t" for s in steps}
-    assert list(select._cache) == [("default", connection.vendor, ())]
+    assert list(select._cache) == [("default", connection.vendor, (), ())]
 
 
 @pytest.mark.django_db
@@ -187,3 +187,44 @@ def test_a_step_is_read_with_its_run_as_the_orm_reads_them():  # W5, statements 
     # The columns a step's execution does not read are loaded on access, as only()'s are.
     assert (found.claimed_by, run.name) == (orms.claimed_by, orms.run.name)
     assert Steps.with_run(step.pk + 1000) is None
+
+
+def by_ids() -> Prepared:
+    return Prepared(
+        lambda base, *, steps, token: (
+            base.filter(pk__in=steps, claim_token=token).order_by("pk").values_list("pk", "seq")
+        ),
+        steps=list,
+        token=str,
+    )
+
+
+@pytest.mark.django_db
+def test_a_list_slot_takes_each_call_its_own_ids_and_is_compiled_once_per_length():  # #27
+    steps = [claimed_step() for _ in range(4)]
+    ids = [s.pk for s in steps]
+    statement = by_ids()
+    for pick in (ids[:2], ids[2:], [ids[3], ids[0]], ids[1:], [ids[1], ids[1]]):
+        expected = list(
+            Steps.filter(pk__in=pick, claim_token="t").order_by("pk").values_list("pk", "seq")
+        )
+        assert statement.rows(Steps.all(), steps=pick, token="t") == expected
+    assert statement.rows(Steps.all(), steps=ids[:2], token="other") == []
+    # Lengths 2 and 3, on this database: a statement per length, not per call.
+    assert len(statement._cache) == 2
+
+
+@pytest.mark.django_db
+def test_an_empty_or_long_list_slot_is_answered_as_the_orm_would(settings):  # #27
+    steps = [claimed_step() for _ in range(3)]
+    statement = by_ids()
+    with pytest.raises(ValueError, match="empty"):
+        statement.rows(Steps.all(), steps=[], token="t")
+    import events_ledger.db as db_module
+
+    long = [s.pk for s in steps] + list(range(10**8, 10**8 + db_module.LIST_SLOT_KEPT))
+    rows = statement.rows(Steps.all(), steps=long, token="t")
+    assert rows == list(
+        Steps.filter(pk__in=[s.pk for s in steps]).order_by("pk").values_list("pk", "seq")
+    )
+    assert statement._cache == {}  # compiled for that call only

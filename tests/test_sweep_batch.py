@@ -5,10 +5,12 @@ whatever the number of runs and groups, module calls in parallel up to
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from events_ledger.cleanup import cleanup_run, sweep
 from events_ledger.models import EventRun, EventRunLog, EventRunResource
@@ -56,13 +58,13 @@ def test_a_pass_costs_the_same_statements_for_1_and_10_runs(isolated_registry, s
 def test_a_pass_over_one_run_is_this_many_statements(isolated_registry):  # C5, #12
     ledger_action(isolated_registry)
     _, sqls = _pass_cost(1, 1)
-    # repair (2 reads), scan, rows, steps, claim + read-back, lock the runs, verdict,
-    # settle + read-back, log.
+    # repair (1 read, #27: the two kinds of disagreement in one UNION), scan, rows,
+    # steps, claim + read-back, lock the runs, verdict, settle + read-back, log.
     # The test's own transaction makes savepoints of what runs in autocommit in
     # production; they are not the pass's statements.
     statements = [s for s in sqls if not s.upper().startswith(("SAVEPOINT", "RELEASE"))]
     # SQLite needs no lock on the runs: its transaction holds the whole file.
-    assert len(statements) == (12 if connection.features.has_select_for_update else 11), sqls
+    assert len(statements) == (11 if connection.features.has_select_for_update else 10), sqls
 
 
 @pytest.mark.django_db(transaction=True)
@@ -271,3 +273,23 @@ def test_a_scoped_sweep_works_and_repairs_only_its_scope(isolated_registry):  # 
     report = sweep()
     assert {s.run_id for s in report.runs} == {r.pk for r in theirs}
     assert (stale.pk, "complete") in report.repaired_runs
+
+
+@pytest.mark.django_db
+def test_a_pass_leaves_runs_another_sweeper_holds_claimed_to_it(isolated_registry, settings):
+    # C5, R5, #27: sweepers started together took the same first runs and split them, so
+    # more sweepers gave back less. A fresh claim is another sweeper's work; the scan
+    # passes over it and takes the next runs. A claim gone stale is taken again.
+    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 2}
+    ledger_action(isolated_registry)
+    held, *free = _runs(4)
+    claim = Res.claim_group(list(Res.filter(run=held)), ttl=timedelta(minutes=5))
+    assert claim.rows  # another sweeper's claim, fresh
+    report = sweep()
+    assert sorted(s.run_id for s in report.runs) == [run.pk for run in free[:2]]
+    assert Res.get(run=held).claim_token == claim.token  # untouched
+    assert sorted(s.run_id for s in sweep().runs) == [free[2].pk]
+    assert not sweep().runs  # the held run waits for its claim's owner
+    Res.filter(run=held).update(updated_at=timezone.now() - timedelta(hours=1))  # stale
+    assert [s.run_id for s in sweep().runs] == [held.pk]
+    assert Res.get(run=held).status == "reverted"
