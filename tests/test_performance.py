@@ -102,6 +102,23 @@ def test_the_bench_counts_a_commit_per_autocommitted_statement_and_per_atomic_bl
     assert (counts.statements, counts.commits, counts.writing_commits) == (5, 3, 2)
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_bench_counts_every_round_trip_of_a_transaction():  # bench, #27
+    from django.db import connection, transaction
+
+    from project.bench.meter import measured
+
+    EventRun.objects.count()  # the connection's own set-up is not the transaction's
+    with measured() as counts:
+        with transaction.atomic():
+            EventRun.objects.create(name="a")
+    # The INSERT and the COMMIT; MariaDB's switches of autocommit (off, on) are sent to
+    # the server, PostgreSQL's BEGIN goes before the first statement; SQLite sends its
+    # BEGIN as a statement of its own.
+    expected = {"mysql": 4, "postgresql": 3, "sqlite": 3}[connection.vendor]
+    assert counts.round_trips == expected, counts
+
+
 @pytest.mark.django_db
 def test_ledger_bench_refuses_a_database_with_real_runs():  # bench
     from django.core.management import CommandError

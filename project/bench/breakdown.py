@@ -132,7 +132,7 @@ def _profile(
     }
 
 
-def measure(repeat: int) -> list[dict[str, Any]]:
+def measure(repeat: int, sizes: list[int]) -> list[dict[str, Any]]:
     from events_ledger.cleanup import sweep
     from events_ledger.conf import ledger_settings
     from events_ledger.ledger import execute_step
@@ -141,6 +141,7 @@ def measure(repeat: int) -> list[dict[str, Any]]:
     from . import shapes
 
     out = []
+    batch = ledger_settings.CLEANUP_RUN_BATCH
     with default_registry.isolated() as reg:
         shapes.register(reg, 0)
         shapes.delete_runs()
@@ -150,34 +151,37 @@ def measure(repeat: int) -> list[dict[str, Any]]:
             shapes._end(warm)
             while sweep(limit=10, scope=shapes.SCOPE).runs:
                 pass
+            for n in sizes:
 
-            def one_step() -> Any:
-                return shapes._make_runs(shapes.Shape(resources=1, runs=1), shapes.NOOP, "bd")[0][
-                    1
-                ][0]
+                def one_step(n: int = n) -> Any:
+                    shape = shapes.Shape(resources=n, runs=1)
+                    return shapes._make_runs(shape, shapes.NOOP, "bd")[0][1][0]
 
-            out.append(
-                _profile("a step of 1 resource (execute_step)", one_step, execute_step, repeat)
-            )
-            batch = ledger_settings.CLEANUP_RUN_BATCH
-
-            def ten_runs() -> Any:
-                shapes.delete_runs()
-                made = shapes._make_runs(shapes.Shape(resources=1, runs=batch), shapes.NOOP, "bd")
-                shapes._execute(made)
-                shapes._end(made)
-                return made
-
-            def one_pass(made: Any) -> None:
-                report = sweep(limit=batch, scope=shapes.SCOPE)
-                if report.errors or len(report.runs) != len(made):
-                    raise RuntimeError(f"a breakdown pass did not give its runs back: {report}")
-
-            out.append(
-                _profile(
-                    f"a sweep pass over {batch} runs of 1 resource", ten_runs, one_pass, repeat
+                out.append(
+                    _profile(
+                        f"a step of {n} resource(s) (execute_step)", one_step, execute_step, repeat
+                    )
                 )
-            )
+
+                def runs(n: int = n) -> Any:
+                    shapes.delete_runs()
+                    made = shapes._make_runs(
+                        shapes.Shape(resources=n, runs=batch), shapes.NOOP, "bd"
+                    )
+                    shapes._execute(made)
+                    shapes._end(made)
+                    return made
+
+                def one_pass(made: Any) -> None:
+                    report = sweep(limit=batch, scope=shapes.SCOPE)
+                    if report.errors or len(report.runs) != len(made):
+                        raise RuntimeError(f"a breakdown pass did not give its runs back: {report}")
+
+                out.append(
+                    _profile(
+                        f"a sweep pass over {batch} runs of {n} resource(s)", runs, one_pass, repeat
+                    )
+                )
         finally:
             shapes.delete_runs()
     return out
@@ -203,13 +207,14 @@ def text(results: list[dict[str, Any]], where: str = "") -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=40)
+    parser.add_argument("--resources", default="1,10", help="resources per step, e.g. 1,10")
     parser.add_argument("--json", help="write the figures here as well")
     parser.add_argument("--where", default="", help="a label for the output, e.g. ' via proxy'")
     args = parser.parse_args()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
     django.setup()
-    results = measure(args.repeat)
+    results = measure(args.repeat, [int(n) for n in args.resources.split(",")])
     print(text(results, args.where))
     if args.json:
         with open(args.json, "w") as f:
