@@ -91,7 +91,11 @@ def bounded(items: list[Any], limit: int = 20) -> list[Any]:
     return [*items[:limit], f"… and {len(items) - limit} more"]
 
 
-def chunked(items: list[Any], size: int = 2000) -> list[list[Any]]:
+#: Ids per statement: under every backend's bind-parameter limit.
+CHUNK = 2000
+
+
+def chunked(items: list[Any], size: int = CHUNK) -> list[list[Any]]:
     """Id lists cut under every backend's bind-parameter limit (SQLite's 32,766 and
     PostgreSQL's 65,535), so one step's 100,000 rows are claimed and given back."""
     return [items[i : i + size] for i in range(0, len(items), size)] or [[]]
