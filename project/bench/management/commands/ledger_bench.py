@@ -17,7 +17,7 @@ from events_ledger.models import EventRun
 from events_ledger.registry import default_registry
 from project.bench import report, shapes
 from project.bench.durability import durability
-from project.bench.history import idle_sweeps
+from project.bench.history import idle_sweeps, tidy
 
 # The backends' own attributes (mysql_is_mariadb, pg_version, ...) are not in the stubs.
 connection: Any = default_connection
@@ -155,6 +155,8 @@ class Command(LedgerCommand):
                     doc["idle_sweep"] = idle_sweeps(history, shapes.SCOPE)
             finally:
                 shapes.delete_runs()
+                if history:
+                    tidy()
         # The machine is shared: how busy it was says how far to trust the absolute figures.
         doc["machine"]["load_at_end"] = os.getloadavg()[0]
         if opts["json"]:
