@@ -744,6 +744,11 @@ class _Holder(threading.Thread):
         MariaDB go on after their first result)."""
         deadline = time.monotonic() + self.patience_s
         while not self.finish.is_set() and time.monotonic() < deadline:
+            # Whether the victim's execute had returned is taken before its session is
+            # read: taken after, a read showing the session idle *before* it sent its
+            # trip, paired with the first result's return that came meanwhile, ended the
+            # watch before the trip's INSERT ran (its fault never fired).
+            returned = self.returned.is_set()
             state = self._victim_state(watcher)
             if state.blocked:
                 self.blocked = True
@@ -751,7 +756,7 @@ class _Holder(threading.Thread):
                     self._kill(watcher, state)
             elif self.blocked and state.ended:
                 self.ended_blocked = True
-            if state.ended and self.returned.is_set() or state.gone:
+            if state.ended and returned or state.gone:
                 return
             time.sleep(POLL_S)
 
@@ -759,6 +764,13 @@ class _Holder(threading.Thread):
         cursor = watcher.cursor()
         try:
             if self.vendor == "mysql":
+                # The wait is counted before the statement is named: read the other way
+                # round, a multi-statement trip's START TRANSACTION could be named, its
+                # INSERT then counted waiting, and KILL QUERY ID would hit the ended
+                # statement while the INSERT went on (a fault that never fired). A wait
+                # counted first is still the one running when the session is read: the
+                # holder keeps its locks until told to finish.
+                waits = self._row_lock_waits(watcher) if self.partial else 0
                 cursor.execute(
                     "SELECT COMMAND, STATE, INFO, QUERY_ID FROM information_schema.PROCESSLIST "
                     "WHERE ID = %s",
@@ -775,9 +787,7 @@ class _Holder(threading.Thread):
                 # Row locks: the server names no state for the wait; a write running
                 # while the server counts one more row lock wait than before is it.
                 writes = info is not None and classify(0, str(info)).faultable
-                blocked = (
-                    bool(self.partial) and writes and self._row_lock_waits(watcher) > self.baseline
-                )
+                blocked = bool(self.partial) and writes and waits > self.baseline
                 return _VictimState(blocked=blocked, query_id=int(query_id))
             cursor.execute(
                 "SELECT state, wait_event_type FROM pg_stat_activity WHERE pid = %s",
