@@ -172,6 +172,13 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_TRANSPORT_OPTIONS = {
     "visibility_timeout": env.float("CELERY_VISIBILITY_TIMEOUT_S", default=3600.0)
 }
+# Celery's Django fixup closes every database connection before and after every task,
+# whatever CONN_MAX_AGE says, unless this is set: then only every this many tasks, and
+# a connection kept by CONN_MAX_AGE (`?conn_max_age=300&conn_health_checks=true` in
+# DATABASE_URL) serves the next task instead of a new one per task (#27: a connection
+# to PostgreSQL costs a step some 10 ms). Without CONN_MAX_AGE, the ledger's tasks
+# still close theirs at the end (`close_old_connections`).
+CELERY_DB_REUSE_MAX = env.int("CELERY_DB_REUSE_MAX", default=1000)
 CELERY_TASK_SERIALIZER = CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 # The sweep as a periodic task (`celery -A project beat`), instead of cron. Passes that

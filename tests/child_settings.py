@@ -13,3 +13,14 @@ if os.environ.get("LEDGER_CHILD_DB_PORT"):
 
 # Ledger settings a test hands its children (short TTLs for the chaos scenarios).
 EVENTS_LEDGER.update(json.loads(os.environ.get("LEDGER_CHILD_SETTINGS", "{}")))  # noqa: F405
+
+# Each database connection the child opens, appended to this file (a test that counts
+# them: whether a Celery worker keeps its connection between steps, #27).
+if os.environ.get("LEDGER_CHILD_CONNECTIONS_LOG"):
+    from django.db.backends.signals import connection_created
+
+    def _note_connection(sender, connection, **kwargs):  # type: ignore[no-untyped-def]
+        with open(os.environ["LEDGER_CHILD_CONNECTIONS_LOG"], "a") as log:
+            log.write(f"{os.getpid()} {connection.alias}\n")
+
+    connection_created.connect(_note_connection, weak=False)

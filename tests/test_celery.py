@@ -117,7 +117,13 @@ class Workers:
         return at
 
     def start(
-        self, app: Any, n: int, concurrency: int = 2, first: int = 0, wait: bool = True
+        self,
+        app: Any,
+        n: int,
+        concurrency: int = 2,
+        first: int = 0,
+        wait: bool = True,
+        **extra: str,
     ) -> list[str]:
         names = [f"w{i}-{os.getpid()}@ledger" for i in range(first, first + n)]
         for name in names:
@@ -125,6 +131,7 @@ class Workers:
                 name,
                 ["worker", "--pool", "prefork", "--concurrency", str(concurrency), "-n", name]
                 + ["-l", "warning", "--without-gossip", "--without-mingle"],
+                **extra,
             )
         if wait:
             wait_until(lambda: self._answering(app) >= set(names), "the workers to answer a ping")
@@ -180,6 +187,36 @@ def _runs(n: int, steps: int, name: str = "celery") -> list[EventRun]:
             spawn_step(run, region=f"r{i % 7}", count=1, seq=seq)
         out.append(run)
     return out
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["celery-default", "conn-max-age"])
+def test_a_worker_keeps_its_connection_between_steps_only_when_told(
+    kept, celery_app, workers, tmp_path
+):  # #27
+    """Celery's Django fixup closes every connection before and after every task unless
+    ``CELERY_DB_REUSE_MAX`` is set, whatever ``CONN_MAX_AGE`` says: each step then
+    opens a connection (PostgreSQL's costs some 10 ms). With both set, as
+    docs/running-at-scale.md tells a host, one connection serves step after step."""
+    from events_ledger.celery import step_task
+
+    log = tmp_path / "connections.log"
+    extra = {"LEDGER_CHILD_CONNECTIONS_LOG": str(log), "CELERY_DB_REUSE_MAX": "0"}
+    if kept:
+        url = os.environ["DATABASE_URL"]
+        extra["DATABASE_URL"] = url + ("&" if "?" in url else "?") + "conn_max_age=300"
+        extra["CELERY_DB_REUSE_MAX"] = "1000"
+    workers.start(celery_app, 1, concurrency=1, **extra)
+    run = new_run(name="kept" if kept else "not kept", status="running")
+    steps = [EventRunStep.objects.create(run=run, action_id="bench.noop", seq=i) for i in range(9)]
+    assert step_task.delay(steps[0].pk).get(timeout=PATIENCE_S)["outcome"] == "done"
+    log.write_text("")  # what the worker opened while starting, and for its first step
+    for step in steps[1:]:
+        assert step_task.delay(step.pk).get(timeout=PATIENCE_S)["outcome"] == "done"
+    opened = log.read_text().splitlines()
+    if kept:
+        assert opened == [], opened
+    else:
+        assert len(opened) >= len(steps) - 1, opened
 
 
 def test_runs_steps_sweeps_and_reconciles_on_celery_workers(world, celery_app, workers):  # W5, C5

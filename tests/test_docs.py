@@ -467,7 +467,16 @@ class PageRun:
         self.fragments: list[Block] = []
         #: The page's settings.py, fragment after fragment (see settings_fragment).
         # What startproject's settings.py defines above the fragments pasted at its end.
-        self.settings_ns: dict[str, Any] = {"__name__": "settings", "BASE_DIR": self.host}
+        self.settings_ns: dict[str, Any] = {
+            "__name__": "settings",
+            "BASE_DIR": self.host,
+            "DATABASES": {
+                "default": {
+                    "ENGINE": "django.db.backends.sqlite3",
+                    "NAME": self.host / "db.sqlite3",
+                }
+            },
+        }
         if page != SETTINGS_PAGE:
             self.settings_ns["EVENTS_LEDGER"] = {}
         self.files: dict[str, str] = {}
