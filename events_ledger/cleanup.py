@@ -406,13 +406,21 @@ def cleanup_run(
     with dropping_dead(), statements_retried(), log_context(run_id=run.pk):  # #15
         reset = None
         if reset_attempts:
-            # The human's licence and its record land together: a pass killed after the
-            # reset cannot lose who reset how many rows.
-            with transaction.atomic():
-                reset = Res.reset_attempts(run)
-                EventRun.objects.set_cleanup_status(run, CleanupStatus.PENDING)
-                EventRunLog.objects.write(run, "cleanup.retry", {"resources": reset, "by": actor})
+            reset = retrying_deadlocks(lambda: _reset_attempts(run, actor))
         return _work_runs([run], human=reset_attempts, actor=actor, reset=reset)[0]
+
+
+def _reset_attempts(run: EventRun, actor: str | None) -> int:
+    """The human's licence and its record land together: a pass killed after the reset
+    cannot lose who reset how many rows. The run's row is written first, as a sweep's
+    settling and a step's claim take it (run, then its rows): taken the other way round,
+    a retry pressed while a sweep settled the run deadlocked and failed (MariaDB 1213,
+    found by the in-flight state machine). Redone whole when picked as the victim."""
+    with transaction.atomic():
+        EventRun.objects.set_cleanup_status(run, CleanupStatus.PENDING)
+        reset = Res.reset_attempts(run)
+        EventRunLog.objects.write(run, "cleanup.retry", {"resources": reset, "by": actor})
+    return reset
 
 
 @dataclass
