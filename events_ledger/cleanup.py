@@ -139,15 +139,21 @@ class Group:
         }
 
 
-def group_rows(rows: Iterable[EventRunResource], step_ttl: Any = None) -> list[Group]:
+def group_rows(
+    rows: Iterable[EventRunResource],
+    step_ttl: Any = None,
+    steps: dict[Any, tuple[Any, ...]] | None = None,
+) -> list[Group]:
     """C2/C3: a lease row is its own group; other rows are grouped by the step that
     made them, which names the action and the idempotency key. A row whose step is
     gone names its action through its own payload (a placeholder always does). With
-    ``step_ttl``, a group whose step is in flight says so (``waiting_for``)."""
+    ``step_ttl``, a group whose step is in flight says so (``waiting_for``). ``steps``:
+    the steps as ``for_giving_back`` answers them, when the caller read them already."""
     rows = list(rows)
-    # The steps' action and key, once per step rather than once per row.
-    step_ids = {r.step_id for r in rows if r.step_id is not None}
-    steps = EventRunStep.objects.for_giving_back(step_ids, step_ttl)
+    if steps is None:
+        # The steps' action and key, once per step rather than once per row.
+        step_ids = {r.step_id for r in rows if r.step_id is not None}
+        steps = EventRunStep.objects.for_giving_back(step_ids, step_ttl)
     leases: list[Group] = []
     by_step: dict[Any, Group] = {}
     for row in rows:
@@ -186,19 +192,20 @@ def _waiting_for(step_id: Any, step: tuple[Any, ...] | None) -> dict[str, Any] |
 
 
 def _groups_for(runs: Sequence[EventRun], human: bool) -> list[Group]:
-    """The groups a pass gives back, for every run of its batch: one read of the rows,
-    one of their steps (and, C8, one of the names of the phases earlier ones wait
+    """The groups a pass gives back, for every run of its batch: one read of the rows
+    and their steps (and, C8, one of the names of the phases earlier ones wait
     behind), then at most ``CLEANUP_GROUPS_PER_RUN`` groups per run that may go now,
     the last phase first, and those that wait behind a later phase after them."""
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
-    rows = Res.unresolved_rows_of(runs)
+    step_ttl = ledger_settings.STEP_CLAIM_TTL
+    rows, steps = Res.unresolved_rows_of(runs, step_ttl)
 
     def spent(row: EventRunResource) -> bool:
         return row.revert_attempts >= max_attempts or row.claim_count >= max_claims
 
     retryable = rows if human else [r for r in rows if not spent(r)]
-    groups = group_rows(retryable, ledger_settings.STEP_CLAIM_TTL)
+    groups = group_rows(retryable, step_ttl, steps)
     if ledger_settings.GIVE_BACK_IN_ORDER:
         _mark_behind(groups, rows, spent)
     cap = ledger_settings.CLEANUP_GROUPS_PER_RUN
@@ -482,8 +489,8 @@ def _work_round(
     should_stop: Callable[[], bool] | None,
 ) -> list[CleanupSummary]:
     """One round of C4 over a batch of runs, in a number of statements that does not
-    grow with the number of runs or groups: one read of the rows (and one of their
-    steps), one claim transaction, the module calls in parallel
+    grow with the number of runs or groups: one read of the rows with their steps, one
+    claim transaction, the module calls in parallel
     (``CLEANUP_CONCURRENCY`` at a time, each under its own deadline, none inside a
     transaction), then one transaction that writes every verdict (a statement per kind
     of verdict, fenced by the claim's token) and one that settles every summary and
@@ -1049,6 +1056,47 @@ if hasattr(os, "register_at_fork"):
 # ── C5 ──
 
 
+class _RepairPace:
+    """When a pass of this process repairs summaries (SPEC: summaries race too). The
+    repair reads every terminal run that owes something, so under a backlog of ten
+    thousand runs it cost a pass as much as the work (#26, #27). A pass repairs when
+    this process has not yet for the scope, when its last scan for the scope came back
+    with room (no backlog: the read is small, and a quiet sweeper repairs every pass,
+    as before), and otherwise at least every ``CLEANUP_REPAIR_EVERY``. A summary a
+    crash left stale waits that long at most under a backlog; no row waits on it but
+    one recorded after its run's cleanup ended, which only the repair finds."""
+
+    def __init__(self) -> None:
+        self.reset_after_fork()
+
+    def reset_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        #: scope → (when it last repaired, whether its last scan came back full).
+        self._seen: dict[str | None, tuple[float, bool]] = {}
+
+    def due(self, scope: str | None) -> bool:
+        with self._lock:
+            seen = self._seen.get(scope)
+        if seen is None or not seen[1]:
+            return True
+        every = ledger_settings.CLEANUP_REPAIR_EVERY.total_seconds()
+        return time.monotonic() - seen[0] >= every
+
+    def repaired(self, scope: str | None) -> None:
+        with self._lock:
+            self._seen[scope] = (time.monotonic(), self._seen.get(scope, (0.0, False))[1])
+
+    def scanned(self, scope: str | None, full: bool) -> None:
+        with self._lock:
+            # Never repaired yet (a failed repair): due at once while the scan has room.
+            self._seen[scope] = (self._seen.get(scope, (float("-inf"), False))[0], full)
+
+
+_repair_pace = _RepairPace()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_repair_pace.reset_after_fork)
+
+
 @dataclass
 class SweepReport:
     runs: list[CleanupSummary] = field(default_factory=list)
@@ -1057,6 +1105,9 @@ class SweepReport:
     repaired_runs: list[tuple[int, str]] = field(default_factory=list)
     #: The repair itself failed (logged; the pass went on without it).
     repair_error: str | None = None
+    #: The pass did not repair: this process has a backlog and repaired within
+    #: ``CLEANUP_REPAIR_EVERY`` (see ``_RepairPace``).
+    repair_skipped: bool = False
     #: Passes' verdicts this process still holds after this pass (0: all written): a
     #: sweeper that stops now leaves their claims to the TTL.
     in_hand: int = 0
@@ -1106,15 +1157,19 @@ def _sweep(
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
     _finish_earlier_passes()
-    try:
-        report.repaired_runs = candidates.repair_cleanup_summaries(
-            max_attempts, max_claims, ledger_settings.GIVE_BACK_IN_ORDER, scope=scope
-        )
-        signals.summaries_repaired(report.repaired_runs)  # #15: after the repair's commit
-    except DatabaseError as exc:
-        logger.exception("repairing cleanup summaries failed; the pass goes on without it")
-        report.repair_error = f"{type(exc).__name__}: {exc}"
-        drop_if_dead(exc)
+    if _repair_pace.due(scope):
+        try:
+            report.repaired_runs = candidates.repair_cleanup_summaries(
+                max_attempts, max_claims, ledger_settings.GIVE_BACK_IN_ORDER, scope=scope
+            )
+            _repair_pace.repaired(scope)
+            signals.summaries_repaired(report.repaired_runs)  # #15: after the repair's commit
+        except DatabaseError as exc:
+            logger.exception("repairing cleanup summaries failed; the pass goes on without it")
+            report.repair_error = f"{type(exc).__name__}: {exc}"
+            drop_if_dead(exc)
+    else:
+        report.repair_skipped = True
     batch = limit or ledger_settings.CLEANUP_RUN_BATCH
     runs = retrying_deadlocks(
         lambda: candidates.needing_cleanup(
@@ -1127,6 +1182,7 @@ def _sweep(
             claim_ttl=ledger_settings.REVERT_CLAIM_TTL,
         )
     )
+    _repair_pace.scanned(scope, full=len(runs) >= batch)
     runs = [run for run in runs if run.status in EventRun.TERMINAL]
     if not runs or (should_stop is not None and should_stop()):
         return report

@@ -17,6 +17,9 @@ DEFAULTS: dict[str, Any] = {
     # A row claimed this often with no verdict kills or hangs its sweeper: fail it.
     "MAX_CLAIMS_WITHOUT_VERDICT": 5,
     "CLEANUP_RUN_BATCH": 10,
+    # How often at most a sweeper skips the repair of summaries while it has a backlog
+    # (its last scan came back full): the repair reads every run that owes something.
+    "CLEANUP_REPAIR_EVERY": timedelta(seconds=60),
     "CLEANUP_GROUPS_PER_RUN": 25,
     # How many module calls (revert, restore, reconcile) one pass makes at once; each
     # under its own deadline. 1 calls them one after the other.
@@ -148,6 +151,7 @@ class LedgerSettings:
     MAX_REVERT_ATTEMPTS = _PositiveInt()
     MAX_CLAIMS_WITHOUT_VERDICT = _PositiveInt()
     CLEANUP_RUN_BATCH = _PositiveInt()
+    CLEANUP_REPAIR_EVERY = _Duration()
     CLEANUP_GROUPS_PER_RUN = _PositiveInt()
     CLEANUP_CONCURRENCY = _PositiveInt()
     DEFAULT_REVERT_BUDGET = _Duration()

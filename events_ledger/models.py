@@ -131,7 +131,13 @@ class EventRunResource(models.Model):
 
     # PROTECT: a run cannot be deleted while the ledger remembers anything of it;
     # deleting it would be losing track of a resource by other means.
-    run = models.ForeignKey(EventRun, on_delete=models.PROTECT, related_name="resources")
+    # No index of its own: evres_run_status_rank_idx starts with the run and serves every
+    # lookup by run (MariaDB's foreign key uses it too). On PostgreSQL every claim and
+    # verdict, changing an indexed column, writes a new entry in each index of the row:
+    # one index fewer made them an eighth cheaper (#26).
+    run = models.ForeignKey(
+        EventRun, on_delete=models.PROTECT, related_name="resources", db_index=False
+    )
     # The row outlives its step: it still names the action through its payload.
     step = models.ForeignKey(
         EventRunStep,

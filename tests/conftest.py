@@ -66,11 +66,12 @@ def figure(request, vendor):
 
 @pytest.fixture(autouse=True)
 def _no_verdicts_in_hand_between_tests():
-    """#24: the undo half's process-wide state (verdicts in hand, claims to hand back)
-    starts empty in every test, whatever an earlier test left."""
+    """#24: the undo half's process-wide state (verdicts in hand, claims to hand back,
+    when it last repaired) starts empty in every test, whatever an earlier test left."""
     from events_ledger import cleanup
 
     cleanup._backlog.drop_all()
     cleanup._unfinished.reset_after_fork()
+    cleanup._repair_pace.reset_after_fork()  # each test's first pass repairs
     yield
     cleanup._backlog.drop_all()  # its thread must not write into the next test's tables

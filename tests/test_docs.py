@@ -1064,6 +1064,8 @@ def as_written(value: Any) -> str:
         if seconds % 86_400 == 0:
             days = seconds // 86_400
             return f"{days} day" if days == 1 else f"{days} days"
+        if seconds == 60:
+            return "1 minute"
         return f"{seconds // 60} minutes" if seconds % 60 == 0 else f"{seconds} seconds"
     return "not set" if value is None else str(value)
 

@@ -222,9 +222,32 @@ def test_an_empty_or_long_list_slot_is_answered_as_the_orm_would(settings):  # #
         statement.rows(Steps.all(), steps=[], token="t")
     import events_ledger.db as db_module
 
-    long = [s.pk for s in steps] + list(range(10**8, 10**8 + db_module.LIST_SLOT_KEPT))
+    long = [s.pk for s in steps] + list(range(10**8, 10**8 + db_module.LIST_SLOT_PADDED))
     rows = statement.rows(Steps.all(), steps=long, token="t")
     assert rows == list(
         Steps.filter(pk__in=[s.pk for s in steps]).order_by("pk").values_list("pk", "seq")
     )
     assert statement._cache == {}  # compiled for that call only
+
+
+@pytest.mark.django_db
+def test_a_longer_list_slot_is_padded_to_a_power_of_two_and_kept(settings):  # #26
+    # A pass over ten runs of fifty rows claims 500 ids: compiled afresh each pass, that
+    # statement was the largest Python cost of the pass. Padded with its last id (an IN
+    # means the same with an id twice), it is kept once per power of two.
+    import events_ledger.db as db_module
+
+    steps = [claimed_step() for _ in range(3)]
+    statement = by_ids()
+    expected = list(
+        Steps.filter(pk__in=[s.pk for s in steps]).order_by("pk").values_list("pk", "seq")
+    )
+    for extra in (db_module.LIST_SLOT_KEPT, db_module.LIST_SLOT_KEPT + 100):
+        # 259 and 359 ids, both padded to 512: the padding repeats an id that matches
+        # nothing, then one that matches a step (answered once all the same).
+        long = [s.pk for s in steps] + list(range(10**8, 10**8 + extra))
+        assert statement.rows(Steps.all(), steps=long, token="t") == expected
+        assert statement.rows(Steps.all(), steps=long[3:] + long[:3], token="t") == expected
+    assert len(statement._cache) == 1
+    (key,) = statement._cache
+    assert 512 in key[-1]

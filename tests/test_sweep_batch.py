@@ -43,7 +43,7 @@ def _pass_cost(n_runs: int, groups: int) -> tuple[int, list[str]]:
 
 @pytest.mark.django_db
 def test_a_pass_costs_the_same_statements_for_1_and_10_runs(isolated_registry, settings):
-    # C5, #12: one scan, one read of the rows and one of their steps, one claim, one
+    # C5, #12: one scan, one read of the rows with their steps, one claim, one
     # write per kind of verdict, one settle for every summary, one log INSERT.
     settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 10}
     ledger_action(isolated_registry)
@@ -58,13 +58,14 @@ def test_a_pass_costs_the_same_statements_for_1_and_10_runs(isolated_registry, s
 def test_a_pass_over_one_run_is_this_many_statements(isolated_registry):  # C5, #12
     ledger_action(isolated_registry)
     _, sqls = _pass_cost(1, 1)
-    # repair (1 read, #27: the two kinds of disagreement in one UNION), scan, rows,
-    # steps, claim + read-back, lock the runs, verdict, settle + read-back, log.
+    # repair (1 read, #27: the two kinds of disagreement in one UNION), scan, rows
+    # with their steps (#26: one read), claim + read-back, lock the runs, verdict,
+    # settle + read-back, log.
     # The test's own transaction makes savepoints of what runs in autocommit in
     # production; they are not the pass's statements.
     statements = [s for s in sqls if not s.upper().startswith(("SAVEPOINT", "RELEASE"))]
     # SQLite needs no lock on the runs: its transaction holds the whole file.
-    assert len(statements) == (11 if connection.features.has_select_for_update else 10), sqls
+    assert len(statements) == (10 if connection.features.has_select_for_update else 9), sqls
 
 
 @pytest.mark.django_db(transaction=True)
@@ -293,3 +294,38 @@ def test_a_pass_leaves_runs_another_sweeper_holds_claimed_to_it(isolated_registr
     Res.filter(run=held).update(updated_at=timezone.now() - timedelta(hours=1))  # stale
     assert [s.run_id for s in sweep().runs] == [held.pk]
     assert Res.get(run=held).status == "reverted"
+
+
+@pytest.mark.django_db
+def test_a_sweeper_with_a_backlog_repairs_at_most_every_so_often(isolated_registry, settings):
+    # C5, SPEC "summaries race too", #26: the repair reads every run that owes
+    # something, so under a backlog it cost a pass as much as the work. A process
+    # repairs on its first pass, on every pass after a scan with room, and while its
+    # scans come back full at most every CLEANUP_REPAIR_EVERY; the summary still ends
+    # repaired.
+    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 2, "CLEANUP_REPAIR_EVERY": 3600}
+    ledger_action(isolated_registry)
+    _runs(5)  # a backlog: two passes with full scans, then one with room
+
+    def stale() -> EventRun:
+        # Its rows are all given back, its summary says otherwise: only the repair sees.
+        return RunFactory(status="completed", cleanup_status="incomplete")
+
+    first = stale()
+    report = sweep()
+    assert (first.pk, "complete") in report.repaired_runs  # the process's first pass
+    assert len(report.runs) == 2 and not report.repair_skipped
+    second = stale()
+    report = sweep()  # the last scan was full: no repair within the hour
+    assert report.repair_skipped and report.repaired_runs == []
+    assert len(report.runs) == 2
+    assert EventRun.objects.get(pk=second.pk).cleanup_status == "incomplete"
+    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 2, "CLEANUP_REPAIR_EVERY": 0.001}
+    report = sweep()  # the interval has passed
+    assert (second.pk, "complete") in report.repaired_runs
+    assert len(report.runs) == 1  # the scan has room now
+    third = stale()
+    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 2, "CLEANUP_REPAIR_EVERY": 3600}
+    report = sweep()  # no backlog: every pass repairs, as before
+    assert (third.pk, "complete") in report.repaired_runs
+    assert report.runs == [] and not report.repair_skipped

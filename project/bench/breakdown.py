@@ -75,7 +75,14 @@ def _verb(sql: str) -> str:
     parts = [p.strip() for p in sql.split(";\n") if p.strip()] if ";\n" in sql else [sql]
     if len(parts) > 1:
         return f"trip of {len(parts)}: " + ", ".join(_verb(p).split(" ", 1)[0] for p in parts)
-    words = sql.replace("`", "").replace('"', "").split()
+    # The statement's own FROM, not a subquery's in its select list.
+    depth, top = 0, []
+    for ch in sql:
+        depth += (ch == "(") - (ch == ")")
+        top.append(ch if depth == 0 or (depth == 1 and ch == "(") else " ")
+    words = "".join(top).replace("`", "").replace('"', "").split()
+    if not words or words[0] == "(":  # a UNION of parenthesised SELECTs
+        words = sql.replace("`", "").replace('"', "").split()
     verb = words[0].upper() if words else "?"
     upper = [w.upper() for w in words]
     after = {"UPDATE": "UPDATE", "INSERT": "INTO", "SELECT": "FROM", "DELETE": "FROM"}.get(verb)
