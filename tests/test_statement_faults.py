@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from events_ledger.cleanup import reconcile_module, sweep
+from events_ledger.cleanup import cleanup_run, reconcile_module, sweep
 from events_ledger.inflight import keeper
 from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
@@ -345,6 +345,54 @@ def test_a_sweep_pass_gives_back_once_whatever_write_the_server_fails(
     tally = Tally()
     _under_server_faults(tally, _pass_input, _pass_unit, _pass_check)
     tally.report(figure, "a sweep pass")
+
+
+# ── a human's retry of a run the sweep gave up on ──
+
+
+def _retry_input() -> EventRun:
+    """A run whose rows spent their automatic attempts: only a human's retry starts it
+    over (rule 2)."""
+    run = _pass_input()
+    spent = Res.filter(run=run).exclude(kind=STEP_KIND)
+    assert spent.update(revert_attempts=3, last_error="the world said no") == 2
+    EventRun.objects.filter(pk=run.pk).update(cleanup_status="incomplete")
+    return run
+
+
+def _retry_unit(run: EventRun) -> Any:
+    return cleanup_run(run, reset_attempts=True, actor="ops")
+
+
+def _retry_check(run: EventRun, tag: str, spawned: dict[str, str]) -> None:
+    _host_write_survives(tag)
+    # Whatever the fault cut, the rows are either still spent, for the human to press
+    # again, or reset and given back at most once; never left reset and unclaimable.
+    if Res.filter(run=run, revert_attempts__gte=3).unresolved().exists():
+        cleanup_run(run, reset_attempts=True, actor="ops")
+    _end_and_sweep(run, tag)
+    _recorded_once(run, tag)
+    _given_back_once(spawned, tag)
+    _world_at_start(tag)
+    pressed = EventRunLog.objects.filter(run=run, kind="cleanup.retry")
+    assert pressed.exists(), f"{tag}: the human's retry was not logged"
+
+
+def test_a_human_retry_gives_back_once_whatever_round_trip_fails(
+    proxied_db, short_ttls, figure
+):  # rule 2, C4, #24
+    tally = Tally()
+    _under_proxy_faults(proxied_db, tally, _retry_input, _retry_unit, _retry_check)
+    tally.report(figure, "a human's retry")
+
+
+def test_a_human_retry_gives_back_once_whatever_write_the_server_fails(
+    short_ttls, figure
+):  # rule 2, C4, #24
+    faults.require_server()
+    tally = Tally()
+    _under_server_faults(tally, _retry_input, _retry_unit, _retry_check)
+    tally.report(figure, "a human's retry")
 
 
 # ── a sweep pass over three dependent phases (#26) ──
