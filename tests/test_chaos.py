@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connections
+from django.db import OperationalError, connections
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
@@ -169,6 +169,27 @@ def test_a_sweeper_killed_at_any_point_is_finished_by_the_next(world, point, fig
 # ── SIGSTOP past the claim TTL, then SIGCONT ──
 
 
+def _stop_and_age(child: subprocess.Popen[Any], pks: list[int]) -> None:
+    """SIGSTOP the sweeper inside its module's call, then age its claim past the TTL.
+
+    On SQLite a process stopped in the middle of a read (the module polls its switch
+    every 20 ms) keeps the file's shared lock, and no other process may write until it
+    runs again: the ageing write then failed "database is locked" (a fresh clone's
+    ``make test``, once). Such a stop is let go and taken again; the module still waits
+    on its switch, so the claim is the same one."""
+    for _ in range(20):
+        os.kill(child.pid, signal.SIGSTOP)
+        try:
+            age_rows(EventRunResource, pks, seconds=3600)
+            return
+        except OperationalError as exc:
+            if "database is locked" not in str(exc):
+                raise
+            os.kill(child.pid, signal.SIGCONT)
+            time.sleep(0.05)
+    raise AssertionError("the stopped sweeper held the database file at every stop")
+
+
 def test_a_stopped_sweeper_writes_no_verdict_after_its_claim_was_taken(world, figure):  # R5
     trials, late_verdicts, fenced = size(2, 200), 0, 0
     for trial in range(trials):
@@ -178,9 +199,8 @@ def test_a_stopped_sweeper_writes_no_verdict_after_its_claim_was_taken(world, fi
         child = start("cleanup", {"run_id": run.pk})
         try:
             wait_until(lambda: Call.objects.filter(verb="despawn").exists(), "the revert")
-            os.kill(child.pid, signal.SIGSTOP)
             rows = list(Res.filter(run=run, kind="creature"))
-            age_rows(EventRunResource, [r.pk for r in rows], seconds=3600)
+            _stop_and_age(child, [r.pk for r in rows])
             world.switch_off("despawn.wait")
             sweep()  # takes the claim over and gives the resource back
             assert all_given_back([run])
