@@ -407,18 +407,17 @@ def cleanup_run(
     ``cleanup_status`` is then derived from the rows left, in the statement that
     writes it. A pass of the sweep does the same for its whole batch at once.
     """
-    # The run's read too drops a connection it finds dead: a lost answer there left the
-    # caller's thread failing "gone away" on every later statement (the fault suite's
-    # human retry, #26).
+    # The run's read too: a lost answer there left the caller's thread failing "gone
+    # away" on every later statement (the fault suite's human retry, #26).
     with dropping_dead():
         run = _run(run)
-    if run.status not in EventRun.TERMINAL:
-        raise RunNotTerminal(f"run {run.pk} is {run.status}: only a finished run is cleaned up")
-    with dropping_dead(), statements_retried(), log_context(run_id=run.pk):  # #15
-        reset = None
-        if reset_attempts:
-            reset = retrying_deadlocks(lambda: _reset_attempts(run, actor))
-        return _work_runs([run], human=reset_attempts, actor=actor, reset=reset)[0]
+        if run.status not in EventRun.TERMINAL:
+            raise RunNotTerminal(f"run {run.pk} is {run.status}: only a finished run is cleaned up")
+        with statements_retried(), log_context(run_id=run.pk):  # #15
+            reset = None
+            if reset_attempts:
+                reset = retrying_deadlocks(lambda: _reset_attempts(run, actor))
+            return _work_runs([run], human=reset_attempts, actor=actor, reset=reset)[0]
 
 
 def _reset_attempts(run: EventRun, actor: str | None) -> int:

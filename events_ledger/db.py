@@ -563,9 +563,7 @@ class Prepared:
         lengths = tuple(len(values[name]) for name, kind in self._slots.items() if kind is list)
         if not all(lengths):
             raise ValueError(f"{self._build}: a list slot is empty (the ORM would send nothing)")
-        if queryset.query.where or any(
-            n > LIST_SLOT_PADDED or (n > LIST_SLOT_KEPT and n & (n - 1)) for n in lengths
-        ):
+        if queryset.query.where or any(n > LIST_SLOT_PADDED for n in lengths):
             # A caller's own filters are no part of the statement, and a long list is
             # kept nowhere: compiled for this call only, as the ORM would.
             return self._once(queryset, conn, fixed, values)

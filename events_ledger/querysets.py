@@ -788,14 +788,16 @@ class EventRunStepQuerySet(models.QuerySet):
         )
 
 
+#: What giving back a row needs of its step, then whether it is in flight and its place in the run.
+_STEP_FOR_GIVING_BACK = ("action_id", "idempotency_key", "claimed_by", "claimed_at")
+
+
 def _steps_for_giving_back(base: Any, ttl: timedelta | None, *, steps: list[int]) -> Any:
     qs = base.filter(pk__in=steps)
     if ttl is None:
         return qs.values_list("pk", "action_id", "idempotency_key")
     live = base.model._default_manager.in_flight(ttl).filter(pk=OuterRef("pk"))
-    return qs.annotate(live=Exists(live)).values_list(
-        "pk", "action_id", "idempotency_key", "claimed_by", "claimed_at", "live", "seq"
-    )
+    return qs.annotate(live=Exists(live)).values_list("pk", *_STEP_FOR_GIVING_BACK, "live", "seq")
 
 
 _STEPS_FOR_GIVING_BACK = Prepared(_steps_for_giving_back, steps=list)
@@ -910,10 +912,6 @@ def _claim_rows(
 
 _CLAIM_ROWS = Prepared(_claim_rows, rows=list, token=str)
 _CLAIM_ROWS_IN_ORDER = Prepared(_claim_rows, rows=list, token=str, runs=list, ranks=list)
-
-
-#: What giving back a row needs of its step, in ``_steps_for_giving_back``'s order.
-_STEP_FOR_GIVING_BACK = ("action_id", "idempotency_key", "claimed_by", "claimed_at")
 
 
 def _unresolved_of_runs(base: Any, ttl: timedelta, *, runs: list[int]) -> Any:
