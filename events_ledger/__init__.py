@@ -31,6 +31,7 @@ _EXPORTS = {
     "reconcile_module": "cleanup",
     "reconcile_all": "cleanup",
     "RunNotTerminal": "cleanup",
+    "InCallersTransaction": "db",
     # #15: operating it
     "signals": "signals",
     "snapshot": "status",

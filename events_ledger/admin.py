@@ -13,7 +13,7 @@ from django.contrib.admin import helpers
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import models
+from django.db import models, router, transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.template.response import TemplateResponse
@@ -136,6 +136,21 @@ class LedgerAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # runs are made by automation, rows by the ledger
+
+    def get_urls(self) -> list[Any]:
+        """The changelist runs the actions that call modules (the human retry,
+        reconcile): under ``ATOMIC_REQUESTS`` their claims would only be savepoints of
+        the request's transaction (``InCallersTransaction``), so the ledger's own
+        commits are its own there. The change form and delete page keep Django's."""
+        urls = super().get_urls()
+        changelist = f"{self.opts.app_label}_{self.opts.model_name}_changelist"
+        for pattern in urls:
+            if getattr(pattern, "name", None) == changelist:
+                self._non_atomic(pattern.callback)
+        return urls
+
+    def _non_atomic(self, view: Any) -> Any:
+        return transaction.non_atomic_requests(using=router.db_for_write(self.model))(view)
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False  # the console reads; it changes state only through the services
@@ -465,7 +480,7 @@ class EventRunAdmin(LedgerAdmin):
         own = [
             path(
                 "<path:object_id>/cleanup/",
-                self.admin_site.admin_view(self.cleanup_view),
+                self._non_atomic(self.admin_site.admin_view(self.cleanup_view)),
                 name="{}_{}_cleanup".format(*info),
             )
         ]

@@ -23,6 +23,7 @@ from .db import (
     dropping_dead,
     in_transaction,
     is_deadlock,
+    refuse_callers_transaction,
     retrying_deadlocks,
     statements_retried,
     storable,
@@ -407,6 +408,8 @@ def cleanup_run(
     ``cleanup_status`` is then derived from the rows left, in the statement that
     writes it. A pass of the sweep does the same for its whole batch at once.
     """
+    # Its claims and the human's reset must be durable before a module is called.
+    refuse_callers_transaction("cleanup_run")
     # The run's read too: a lost answer there left the caller's thread failing "gone
     # away" on every later statement (the fault suite's human retry, #26).
     with dropping_dead():
@@ -965,11 +968,6 @@ def _settle_and_log(
     verdict committed before it, not the rows as they were when a statement that waited
     for the lock began), every summary settled from its rows, every log entry of the
     pass inserted."""
-    log = list(entries)
-
-    def add(run_id: int, kind: str, detail: dict[str, Any]) -> None:
-        log.append(EventRunLog(run_id=run_id, kind=kind, detail=storable_json(detail)))
-
     EventRun.objects.lock(summaries)
     settled = EventRun.objects.settle_cleanups(
         summaries,
@@ -977,7 +975,19 @@ def _settle_and_log(
         ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
         ledger_settings.GIVE_BACK_IN_ORDER,
     )
+    # A run missing here was removed by a prune since the pass read it: a prune takes
+    # only a run that owes nothing, so there is nothing of it to settle, and a log entry
+    # for it would fail on its foreign key (the pass failed with KeyError, was worked
+    # again run by run, and paged a human: "a prune beside a sweep", #11 of the host's edge).
+    log = [entry for entry in entries if entry.run_id in settled]
+
+    def add(run_id: int, kind: str, detail: dict[str, Any]) -> None:
+        log.append(EventRunLog(run_id=run_id, kind=kind, detail=storable_json(detail)))
+
     for summary in summaries.values():
+        if summary.run_id not in settled:
+            summary.cleanup_status, summary.remaining = CleanupStatus.COMPLETE, 0
+            continue
         summary.cleanup_status, summary.remaining = settled[summary.run_id]
         if summary.attempted or (human and summary.reset is not None):
             add(
@@ -1146,6 +1156,7 @@ def sweep(
     costs the one run it was for; only a failed scan, when nothing can be worked at
     all, raises.
     """
+    refuse_callers_transaction("sweep")
     with dropping_dead(), statements_retried():
         report = _sweep(scope, limit, should_stop)
     report.in_hand = len(_backlog)
@@ -1294,6 +1305,7 @@ def reconcile_module(
     nothing is orphaned unless ``force``: a half-started world that answers "I have
     nothing" must not wipe the ledger.
     """
+    refuse_callers_transaction("reconcile_module")
     with dropping_dead(), statements_retried(), log_context(owner=owner):  # #15
         return _reconcile(owner, force, max_fraction)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any, Generic, TypeVar, overload
 
@@ -44,6 +45,10 @@ DEFAULTS: dict[str, Any] = {
     # #28: how long a finished run that owes nothing is kept before `prune_ledger` (or
     # its task) removes it with its steps, rows and log. None keeps every run for ever.
     "RETENTION": None,
+    # Where a prune from a task queue archives what it removes (a compressed JSON-lines
+    # file, created 0600); None archives nothing. A setting, not a task argument: a
+    # message on the broker must not choose a file to write.
+    "ARCHIVE": None,
     # #26, C8: a run's resources are given back in reverse order of the phases that
     # made them (the last phase first). False gives every group back at once, in no
     # order, for worlds where nothing depends on anything.
@@ -132,6 +137,16 @@ class _Retention(_Setting["timedelta | None"]):
         return None if value is None else _Duration.check(self, value)  # type: ignore[arg-type]
 
 
+class _Path(_Setting["str | None"]):
+    def check(self, value: Any) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, (str, os.PathLike)) or not os.path.isabs(value):
+            shown = repr(value) if isinstance(value, str) else type(value).__name__
+            raise self.wrong(_("None or an absolute path"), shown)
+        return os.fspath(value)
+
+
 class _Flag(_Setting[bool]):
     def check(self, value: Any) -> bool:
         if not isinstance(value, bool):
@@ -162,6 +177,7 @@ class LedgerSettings:
     METRICS_TOKEN = _Token()
     FAST_PATH = _Flag()
     RETENTION = _Retention()
+    ARCHIVE = _Path()
     GIVE_BACK_IN_ORDER = _Flag()
 
     def _user(self) -> dict[str, Any]:

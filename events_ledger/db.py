@@ -101,6 +101,41 @@ def chunked(items: list[Any], size: int = CHUNK) -> list[list[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)] or [[]]
 
 
+class InCallersTransaction(RuntimeError):
+    """A call that reaches a module was made inside a transaction the ledger does not own.
+
+    Rule 1 needs a step's claim and placeholder (a revert's claim, a human's reset)
+    committed *before* the module is called. Inside a caller's transaction
+    (``transaction.atomic()``, ``ATOMIC_REQUESTS``, autocommit off) the ledger's commits
+    are savepoints: a rollback after the call leaves the world changed and the ledger
+    without a line of it, and no sweep ever gives it back. Refused up front, with
+    nothing claimed and no module called."""
+
+
+def callers_transaction(using: str = "default") -> bool:
+    """Whether a transaction the ledger did not open is in force on ``using``.
+
+    The same test as Django's ``atomic(durable=True)``: a test case's own wrapping
+    transaction (``TestCase``, pytest-django's ``db``) is not a caller's, since it is
+    there only to be rolled back after the test."""
+    conn = connections[using]
+    if conn.in_atomic_block:
+        return any(not getattr(block, "_from_testcase", False) for block in conn.atomic_blocks)
+    return not conn.get_autocommit()
+
+
+def refuse_callers_transaction(what: str, using: str = "default") -> None:
+    """Raise ``InCallersTransaction`` before ``what`` claims anything or calls a module."""
+    if callers_transaction(using):
+        raise InCallersTransaction(
+            f"{what} calls a module, so its claims must commit before the call; it is "
+            "inside a transaction it does not own (transaction.atomic(), ATOMIC_REQUESTS or "
+            "autocommit off), where they would only be savepoints. Call it after the "
+            "transaction commits (transaction.on_commit), or mark the view "
+            "non_atomic_requests."
+        )
+
+
 def _driver_error(exc: BaseException) -> BaseException:
     return exc.__cause__ or exc
 

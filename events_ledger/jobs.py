@@ -28,6 +28,19 @@ def busy_retry_delay() -> float:
     return min(max(ttl / 4, timedelta(seconds=1)), timedelta(minutes=1)).total_seconds()
 
 
+#: The most runs one sweep task may ask for: a message on the broker is not trusted to
+#: size a pass (its claims, its id lists, its time).
+MAX_SWEEP_LIMIT = 1000
+
+
+def bounded_int(name: str, value: Any, low: int, high: int) -> int:
+    """A task argument as an int within ``low..high``, or a ValueError naming it: every
+    argument comes from a broker, which anyone who can publish to it writes."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be a whole number from {low} to {high}, not {value!r}")
+    return value
+
+
 def _fresh_connection() -> None:
     # A worker lives for days between tasks: a connection the server closed meanwhile
     # ("server has gone away") is dropped here instead of failing the task's first query.
@@ -66,6 +79,10 @@ def sweep_once(limit: int | None = None, scope: str | None = None) -> dict[str, 
     ``scope``, over that scope's runs only."""
     from .cleanup import sweep
 
+    if limit is not None:
+        limit = bounded_int("limit", limit, 1, MAX_SWEEP_LIMIT)
+    if scope is not None and not isinstance(scope, str):
+        raise ValueError(f"scope must be a string, not {type(scope).__name__}")
     _fresh_connection()
     try:
         report = sweep(limit, scope=scope)
@@ -105,22 +122,45 @@ def reconcile_once(owner: str | None = None, force: bool = False) -> dict[str, A
         _fresh_connection()
 
 
+#: The longest a task may ask history to be kept (a cut-off a century back).
+LONGEST_KEPT = timedelta(days=36525)
+
+#: Why a task names no archive.
+ARCHIVE_REFUSED = (
+    "a prune from a task queue archives to EVENTS_LEDGER['ARCHIVE'], never to a path a "
+    "message names (anyone who can publish to the broker could name any file the worker "
+    "can write); a human chooses another with manage.py prune_ledger --archive"
+)
+
+
 def prune_once(
     older_than: float | None = None, batch: int | None = None, archive: str | None = None
 ) -> dict[str, Any]:
-    """#28: one prune of the history (``older_than`` in seconds, else ``RETENTION``),
-    beside the sweep; nothing when neither is set (history kept for ever)."""
-    from .retention import DEFAULT_BATCH, NoRetention, prune
+    """#28: one prune of the history, beside the sweep; nothing when ``RETENTION`` is not
+    set (history kept for ever). A message may keep runs longer (``older_than`` in
+    seconds, at least ``RETENTION``), never shorter, and names no archive: the archive is
+    ``ARCHIVE``'s."""
+    from .conf import ledger_settings
+    from .retention import DEFAULT_BATCH, MAX_BATCH, prune
 
+    if archive is not None:
+        raise ValueError(ARCHIVE_REFUSED)
+    keep = ledger_settings.RETENTION
+    if keep is None:
+        return {"kept_for_ever": True, "runs": 0}
+    if older_than is not None:
+        if isinstance(older_than, bool) or not isinstance(older_than, (int, float)):
+            raise ValueError(f"older_than must be a number of seconds, not {older_than!r}")
+        if not keep.total_seconds() <= older_than <= LONGEST_KEPT.total_seconds():
+            raise ValueError(
+                f"older_than must be at least RETENTION ({keep.total_seconds():g} s): a "
+                f"task may keep history longer, never shorter, not {older_than!r}"
+            )
+        keep = timedelta(seconds=float(older_than))
+    size = DEFAULT_BATCH if batch is None else bounded_int("batch", batch, 1, MAX_BATCH)
     _fresh_connection()
     try:
-        report = prune(
-            older_than=None if older_than is None else timedelta(seconds=float(older_than)),
-            batch=int(batch or DEFAULT_BATCH),
-            archive=archive,
-        )
-    except NoRetention:
-        return {"kept_for_ever": True, "runs": 0}
+        report = prune(older_than=keep, batch=size, archive=ledger_settings.ARCHIVE)
     finally:
         _fresh_connection()
     return report.as_dict()

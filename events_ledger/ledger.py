@@ -17,6 +17,7 @@ from .db import (
     drop_if_dead,
     dropping_dead,
     in_transaction,
+    refuse_callers_transaction,
     statements_retried,
     storable,
     storable_json,
@@ -287,7 +288,11 @@ def execute_step(step_or_id: EventRunStep | int) -> StepResult:
     A call that outlives its deadline is not given up on: its thread goes on, the
     step's claim is kept fresh while it lives (so a retry answers ``busy`` and cleanup
     waits), and its answer, when it comes, is recorded and the step settled.
+
+    Raises ``InCallersTransaction`` inside a transaction it does not own, before
+    anything is claimed: its claim and placeholder must be durable before the call.
     """
+    refuse_callers_transaction("execute_step")  # rule 1: its claim commits before the call
     known: EventRunStep | None = None
     if isinstance(step_or_id, EventRunStep):
         if step_or_id.pk is None:

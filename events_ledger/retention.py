@@ -7,6 +7,7 @@ import fcntl
 import gzip
 import json
 import os
+import stat
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +23,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from .conf import ledger_settings
-from .db import drop_if_dead, dropping_dead, in_transaction
+from .db import causal_reads, drop_if_dead, dropping_dead, in_transaction
 from .models import EventRun, EventRunLog, EventRunResource, EventRunStep
 from .states import RUN_TERMINAL, UNRESOLVED, CleanupStatus, ResourceStatus, StepStatus
 
@@ -57,24 +58,29 @@ class History:
     def __init__(self, using: str = "default") -> None:
         self.using = using
 
-    def window(self, after: int, size: int) -> list[tuple[int, datetime]]:
-        """The next ``size`` runs after id ``after``, with their creation times: a range
-        of the primary key, read without a lock, so a walk costs each run one read."""
+    def next_prunable(self, after: int, size: int, cutoff: datetime) -> list[int]:
+        """The next ``size`` runs after id ``after`` that may go now, by id: a walk of the
+        primary key read without a lock, so a whole prune reads each run once. Nothing
+        about ids and times is assumed: a due run with a higher id than a young one
+        (imported history, hosts whose clocks disagree) is found all the same (the walk
+        once stopped at the first window of young runs, and skipped it for good)."""
         return list(
-            EventRun.objects.using(self.using)
+            self._may_go(cutoff)
             .filter(pk__gt=after)
             .order_by("pk")
-            .values_list("pk", "created_at")[:size]
+            .values_list("pk", flat=True)[:size]
         )
 
-    def _may_go(self, ids: Sequence[int], cutoff: datetime) -> Any:
+    def _may_go(self, cutoff: datetime, ids: Sequence[int] | None = None) -> Any:
         # #28: terminal, owing nothing, ended before the cut-off (a run whose end was
         # never stamped: its last change), no unresolved row, no step in flight.
         rows = EventRunResource.objects.filter(run=OuterRef("pk"), status__in=UNRESOLVED)
         running = EventRunStep.objects.filter(run=OuterRef("pk"), status=StepStatus.RUNNING)
+        runs = EventRun.objects.using(self.using)
+        if ids is not None:
+            runs = runs.filter(pk__in=list(ids))
         return (
-            EventRun.objects.using(self.using)
-            .filter(pk__in=list(ids), status__in=RUN_TERMINAL, cleanup_status__in=SETTLED)
+            runs.filter(status__in=RUN_TERMINAL, cleanup_status__in=SETTLED)
             .alias(ended=Coalesce("finished_at", "updated_at"))
             .filter(ended__lt=cutoff)
             .filter(~Exists(rows), ~Exists(running))
@@ -83,7 +89,7 @@ class History:
     def prunable(self, ids: Sequence[int], cutoff: datetime) -> list[int]:
         """Of ``ids``, the runs a prune may remove now, by id. A read without locks: what
         it answers is re-checked under the lock (``lock``) before anything goes."""
-        return list(self._may_go(ids, cutoff).order_by("pk").values_list("pk", flat=True))
+        return list(self._may_go(cutoff, ids).order_by("pk").values_list("pk", flat=True))
 
     def lock(self, ids: Sequence[int], cutoff: datetime) -> list[int]:
         """Inside the caller's transaction: lock ``ids`` in id order (FOR UPDATE: a row
@@ -201,81 +207,232 @@ class History:
 # ── the archive ──
 
 
-def _members(path: Path) -> tuple[list[tuple[int, int]], int]:
-    """The complete gzip members of an archive, as (start, end) offsets, and the file's
-    size. Read in chunks: an archive of years costs memory for one chunk."""
+class ArchiveRefused(Exception):
+    """The archive's path cannot be written as this ledger's archive (it cannot be opened,
+    is not a regular file of ours, is not such an archive, or is damaged before its last
+    batch). Raised before anything is deleted; the file is left as it was."""
+
+
+@dataclass
+class _Scan:
+    """What lies from an offset of an archive on: its complete gzip members as (start,
+    end) offsets, where damage begins (bytes that are no gzip member: not a torn write),
+    and the file's size."""
+
+    members: list[tuple[int, int]]
+    damaged_at: int | None
+    size: int
+
+    @property
+    def good(self) -> int:
+        return self.members[-1][1] if self.members else -1
+
+
+def _scan(fd: int, start: int = 0) -> _Scan:
+    """Read gzip members from ``start`` to the end, in chunks (memory for one chunk). A
+    member cut short at the end is a torn write; bytes zlib refuses are damage."""
     members: list[tuple[int, int]] = []
-    consumed = start = 0
+    consumed = begin = start
     inflater: Any = None
     buf = b""
-    with open(path, "rb") as f:
-        while True:
+    size = os.fstat(fd).st_size
+    offset = start
+    while True:
+        if not buf:
+            buf = os.pread(fd, 1 << 16, offset)
+            offset += len(buf)
             if not buf:
-                buf = f.read(1 << 16)
-                if not buf:
-                    break
-            if inflater is None:
-                inflater, start = zlib.decompressobj(31), consumed
-            try:
-                inflater.decompress(buf)
-            except zlib.error:
-                break  # garbage after the last good member: cut off like a torn write
-            if inflater.eof:
-                used = len(buf) - len(inflater.unused_data)
-                consumed += used
-                members.append((start, consumed))
-                buf, inflater = inflater.unused_data, None
-            else:
-                consumed += len(buf)
-                buf = b""
-        size = f.seek(0, os.SEEK_END)
-    return members, size
+                break
+        if inflater is None:
+            inflater, begin = zlib.decompressobj(31), consumed
+        try:
+            inflater.decompress(buf)
+        except zlib.error:
+            return _Scan(members, begin, size)
+        if inflater.eof:
+            used = len(buf) - len(inflater.unused_data)
+            consumed += used
+            members.append((begin, consumed))
+            buf, inflater = inflater.unused_data, None
+        else:
+            consumed += len(buf)
+            buf = b""
+    return _Scan(members, None, size)
 
 
 def _lines(data: bytes) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line]
+    out = [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line]
+    if not all(isinstance(d, dict) and d.get("v") == ARCHIVE_VERSION and "run" in d for d in out):
+        raise ValueError("a line that is not a run of this ledger's archive")
+    return out
+
+
+def _open_own(path: Path, what: str) -> int:
+    """Open (or create) ``path`` for reading and writing as a file of the ledger's own:
+    never through a symbolic link, a regular file with one link, owned by this user.
+    Created 0600: it holds every column of the runs it removes, the steps' params
+    included (``_keep_private`` narrows an existing one, once it is known to be ours)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise ArchiveRefused(f"cannot open the {what} {path}: {exc.strerror or exc}") from exc
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_nlink != 1:
+        problem = f"has {st.st_nlink} links (another name could read it)"
+    elif st.st_uid != os.geteuid():
+        problem = "belongs to another user"
+    if problem:
+        os.close(fd)
+        raise ArchiveRefused(f"the {what} {path} {problem}")
+    return fd
+
+
+def _keep_private(fd: int) -> None:
+    if stat.S_IMODE(os.fstat(fd).st_mode) != 0o600:
+        os.fchmod(fd, 0o600)
+
+
+def _fsync_dir(path: Path) -> None:
+    """A file just created is durable only once its directory entry is."""
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Archive:
     """An archive being written: gzip members appended to one file, one per batch, each
     written and fsynced before its batch's delete commits. Locked (``flock``) for as
-    long as it is open, so two prunes never write one file."""
+    long as it is open, so two prunes never write one file.
+
+    Beside it, ``<name>.committed`` holds the offset where the last committed batch
+    ends, fsynced after each commit: a prune starting again reads only what lies past
+    it (one batch at most, whatever the archive's size), and never cuts what lies
+    before it."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o640)
+        self.mark_path = self.path.with_name(self.path.name + ".committed")
+        self._fd = _open_own(self.path, "archive")
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._fd)
             raise ArchiveBusy(f"another prune is writing {self.path}") from None
+        #: The mark's descriptor, opened (and created) once the archive is known ours.
+        self._mark: int | None = None
+        try:
+            self.committed = self._read_mark()
+        except BaseException:
+            self.close()
+            raise
         #: The member written and not yet known to be committed: (offset, run ids).
         self.pending: tuple[int, list[int]] | None = None
 
     def close(self) -> None:
+        if self._mark is not None:
+            os.close(self._mark)
+            self._mark = None
         os.close(self._fd)  # releases the lock
 
+    def _read_mark(self) -> int | None:
+        try:
+            fd = os.open(self.mark_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None  # a new archive, or one written before the mark existed
+        except OSError as exc:
+            raise ArchiveRefused(f"cannot read {self.mark_path}: {exc.strerror or exc}") from exc
+        try:
+            text = os.pread(fd, 64, 0).strip()
+        finally:
+            os.close(fd)
+        try:
+            return int(text) if text else None
+        except ValueError:
+            raise ArchiveRefused(f"{self.mark_path} does not hold an offset") from None
+
+    def _write_mark(self, offset: int) -> None:
+        if self._mark is None:
+            # The archive is ours (``recover`` read it): it is kept 0600 from here on,
+            # and the mark and a new archive's name are made durable.
+            _keep_private(self._fd)
+            self._mark = _open_own(self.mark_path, "archive's committed offset")
+            _keep_private(self._mark)
+            _fsync_dir(self.path)
+        data = str(offset).encode()
+        os.ftruncate(self._mark, 0)
+        os.pwrite(self._mark, data, 0)
+        os.fsync(self._mark)
+        self.committed = offset
+
+    def _refuse(self, why: str) -> ArchiveRefused:
+        return ArchiveRefused(
+            f"{self.path} {why}; it is left as it is and nothing was deleted (move it aside, "
+            "or name another archive)"
+        )
+
     def recover(self, any_left: Callable[[list[int]], bool]) -> tuple[int, int]:
-        """Make the file hold each removed run once, and only removed runs: cut a torn
-        last member (a prune killed while writing it), then the last whole member when
-        any of its runs is still in the database (killed after writing it, before its
-        delete committed: it is written again when those runs go). Answers (bytes of a
-        torn member cut, runs taken out of the archive)."""
-        members, size = _members(self.path)
-        good = members[-1][1] if members else 0
+        """Make the file hold each removed run once, and only removed runs, cutting only
+        what the last append can have left past the committed offset: a torn member (a
+        prune killed while writing it), or the last whole member when any of its runs is
+        still in the database (killed after writing it, before its delete committed: it
+        is written again when those runs go). Anything else (damage before the end, a
+        file that is not such an archive, one shorter than what was committed) is
+        refused, the file unchanged. Answers (bytes of a torn member cut, runs taken out
+        of the archive)."""
+        size = os.fstat(self._fd).st_size
+        committed = self.committed
+        if committed is not None and size < committed:
+            if size:
+                raise self._refuse(
+                    f"is shorter ({size} bytes) than its committed batches ({committed})"
+                )
+            committed = 0  # emptied by a rotation (copytruncate): a new archive
+        if committed is None:
+            # No mark yet: the whole file is read once, and must be an archive throughout.
+            committed = 0
+            scan = _scan(self._fd, 0)
+            if scan.damaged_at is not None or (size and not scan.members):
+                raise self._refuse("is not an events_ledger archive, or is damaged")
+            if scan.members:
+                self._check_lines(scan.members[0])
+            # Every member but the last is committed; the last is decided below.
+            if len(scan.members) > 1:
+                committed = scan.members[-2][1]
+        scan = _scan(self._fd, committed)
+        if scan.damaged_at is not None:
+            raise self._refuse(f"is damaged from byte {scan.damaged_at}")
+        if len(scan.members) > 1:
+            raise self._refuse(f"holds more than one batch past its committed offset {committed}")
+        good = scan.good if scan.members else committed
         torn = size - good
         if torn:
             self._cut(good)
         dropped = 0
-        if members:
-            start, end = members[-1]
-            with open(self.path, "rb") as f:
-                f.seek(start)
-                ids = [line["run"]["id"] for line in _lines(f.read(end - start))]
-            if any_left(ids):
+        if scan.members:
+            start, end = scan.members[0]
+            ids = [line["run"]["id"] for line in self._check_lines((start, end))]
+            with causal_reads():  # Galera: another node's delete must be seen
+                left = any_left(ids)
+            if left:
                 self._cut(start)
                 dropped = len(ids)
+                end = start
+            self._write_mark(end)
+        else:
+            self._write_mark(committed)
         return torn, dropped
+
+    def _check_lines(self, member: tuple[int, int]) -> list[dict[str, Any]]:
+        start, end = member
+        try:
+            return _lines(os.pread(self._fd, end - start, start))
+        except (ValueError, UnicodeDecodeError, OSError, EOFError) as exc:
+            raise self._refuse(f"is not an events_ledger archive ({exc})") from exc
 
     def append(self, documents: list[dict[str, Any]]) -> None:
         """Write one batch as a gzip member at the end, and fsync it: durable before the
@@ -291,14 +448,24 @@ class Archive:
             view = view[os.write(self._fd, view) :]
         os.fsync(self._fd)
 
+    def committed_now(self) -> None:
+        """The pending member's batch committed: the mark moves past it."""
+        if self.pending is not None:
+            self._write_mark(os.fstat(self._fd).st_size)
+            self.pending = None
+
     def settle(self, any_left: Callable[[list[int]], bool]) -> None:
         """The pending member's batch did not commit when any of its runs is still in
         the database: cut the member off (its runs go, and are written, again later)."""
         if self.pending is None:
             return
         offset, ids = self.pending
-        if any_left(ids):
+        with causal_reads():
+            left = any_left(ids)
+        if left:
             self._cut(offset)
+        else:
+            self._write_mark(os.fstat(self._fd).st_size)
         self.pending = None
 
     def _cut(self, offset: int) -> None:
@@ -309,12 +476,17 @@ class Archive:
 def read_archive(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """Every run an archive holds, one mapping each (``run``, ``steps``, ``resources``,
     ``log``), in the order they were removed. A torn last member (a prune killed while
-    writing it; its runs were never deleted) is left out."""
-    members, _size = _members(Path(path))
-    with open(path, "rb") as f:
-        for start, end in members:
-            f.seek(start)
-            yield from _lines(f.read(end - start))
+    writing it; its runs were never deleted) is left out; damage before it raises
+    ``ArchiveRefused``."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        scan = _scan(fd)
+        if scan.damaged_at is not None:
+            raise ArchiveRefused(f"{path} is damaged from byte {scan.damaged_at}")
+        for start, end in scan.members:
+            yield from _lines(os.pread(fd, end - start, start))
+    finally:
+        os.close(fd)
 
 
 # ── the service ──
@@ -407,16 +579,10 @@ def prune(
                 torn, dropped = file.recover(history.any_left)
             after = 0
             while True:
-                window = history.window(after, batch)
-                if not window:
-                    break
-                after = window[-1][0]
-                older = [pk for pk, created in window if created < cutoff]
-                if not older:
-                    break  # every run from here on began after the cut-off
-                ids = history.prunable(older, cutoff)
+                ids = history.next_prunable(after, batch, cutoff)
                 if not ids:
-                    continue
+                    break
+                after = ids[-1]
                 if dry_run:
                     out["runs"] += len(ids)
                     continue
@@ -485,7 +651,7 @@ def _prune_batch(
         _settle_after_failure(history, file)
         raise
     if file is not None:
-        file.pending = None  # committed: the member stays
+        file.committed_now()  # the member stays, and the mark moves past it
     return {k: counts.get(k, 0) for k in ("runs", "steps", "resources", "log")}
 
 

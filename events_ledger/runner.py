@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .db import storable_json
+from .db import refuse_callers_transaction, storable_json
 from .ledger import StepResult, execute_step
 from .models import EventRun, EventRunLog, EventRunStep
 from .states import RUN_TERMINAL, RunStatus, StepStatus
@@ -69,6 +69,7 @@ def run_steps(run: EventRun | int, *, on_refused: OnRefused = "fail") -> RunRepo
     """
     if on_refused not in ON_REFUSED:
         raise ValueError(f"on_refused must be one of {ON_REFUSED}, not {on_refused!r}")
+    refuse_callers_transaction("run_steps")  # before the run is moved to running
     run_id: int = run.pk if isinstance(run, EventRun) else int(run)
     # pending → running; already running (a driver run again) is fine, terminal is not.
     EventRun.objects.transition(run_id, RunStatus.RUNNING, from_=RunStatus.PENDING)

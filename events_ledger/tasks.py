@@ -64,6 +64,7 @@ if task is not None:
         quarter of the TTL later, at most ``BUSY_RETRIES`` times, on a backend that can
         defer (django-tasks-db can); elsewhere its answer, ``finished: false``, asks the
         host to."""
+        busy_retries = jobs.bounded_int("busy_retries", busy_retries, 0, jobs.BUSY_RETRIES)
         answer = jobs.run_run(run_id, on_refused)
         if answer["outcome"] == "busy" and busy_retries < jobs.BUSY_RETRIES:
             answer["enqueued_again"] = _again(run_id, on_refused, busy_retries + 1)

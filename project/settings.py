@@ -71,6 +71,9 @@ WSGI_APPLICATION = "project.wsgi.application"
 
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}")}
 _db = DATABASES["default"]
+# A host that wraps every request in a transaction: `make test` runs the console's tests
+# and the in-flight property machine with it on too (the ledger's commits stay its own).
+_db["ATOMIC_REQUESTS"] = env.bool("DATABASE_ATOMIC_REQUESTS", default=False)
 if _db["ENGINE"].endswith("sqlite3"):
     # A file, also for tests: the deadline's worker threads and the race tests' child
     # processes must see the same database as the test itself.

@@ -480,25 +480,35 @@ def test_a_host_that_turns_the_fast_path_off_gets_the_general_path(
 @world
 def test_a_step_inside_a_callers_own_transaction_commits_nothing_of_it(
     isolated_registry,
-):  # #12, W5: with autocommit off the transaction is the caller's
+):  # #12, W5, rule 1: with autocommit off the transaction is the caller's
     from django.db import transaction
 
+    from events_ledger import InCallersTransaction
+
+    calls: list[str] = []
     _action(
-        isolated_registry, lambda **kw: {"ok": True, "resources": [{"kind": "thing", "ref": "x"}]}
+        isolated_registry,
+        lambda **kw: (
+            calls.append("perform") or {"ok": True, "resources": [{"kind": "thing", "ref": "x"}]}
+        ),
     )
     run = new_run()
     step = new_step(run, "t.trip")
     transaction.set_autocommit(False)
     try:
         EventRun.objects.create(name="callers-work")
-        assert execute_step(step).outcome == "done"
+        # Refused before its claim (which would be the caller's to roll back while the
+        # world kept what the call made), and the caller's work not committed by it.
+        with pytest.raises(InCallersTransaction):
+            execute_step(step)
+        assert calls == []
         assert not _seen_elsewhere("callers-work")
         transaction.rollback()
     finally:
         transaction.set_autocommit(True)
     assert not EventRun.objects.filter(name="callers-work").exists()
     step.refresh_from_db()
-    assert step.status == "pending"  # the caller rolled the step back with its own work
+    assert step.status == "pending" and step.attempts == 0
     assert not Res.filter(run=run).exists()
 
 

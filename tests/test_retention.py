@@ -424,7 +424,12 @@ def test_prune_as_a_django_task_and_a_celery_task(settings, tmp_path):  # #28: t
 
     first, second = old_run(name="a"), old_run(name="b")
     assert celery_prune.run() == {"kept_for_ever": True, "runs": 0}  # RETENTION unset
-    answer = celery_prune.run(KEEP.total_seconds(), 50, str(tmp_path / "c.jsonl.gz"))
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        "RETENTION": KEEP,
+        "ARCHIVE": str(tmp_path / "c.jsonl.gz"),
+    }
+    answer = celery_prune.run(KEEP.total_seconds(), 50)
     assert answer["runs"] == 2 and answer["archive"].endswith("c.jsonl.gz")
     assert [d["run"]["id"] for d in read_archive(tmp_path / "c.jsonl.gz")] == [
         first.pk,
@@ -437,7 +442,6 @@ def test_prune_as_a_django_task_and_a_celery_task(settings, tmp_path):  # #28: t
 
     third = old_run(name="c")
     settings.TASKS = {"default": {"BACKEND": f"{package}.backends.immediate.ImmediateBackend"}}
-    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "RETENTION": KEEP}
     assert prune_task.enqueue().return_value["runs"] == 1
     assert not EventRun.objects.filter(pk=third.pk).exists()
 

@@ -16,6 +16,7 @@ from events_ledger.retention import (
     DEFAULT_BATCH,
     MAX_BATCH,
     ArchiveBusy,
+    ArchiveRefused,
     NoRetention,
     PruneReport,
     prune,
@@ -99,7 +100,8 @@ class Command(LedgerCommand):
             elif self.verbosity:
                 self.stdout.write(str(exc))
             return self.finish(OK, "")
-        except ArchiveBusy as exc:
+        except (ArchiveBusy, ArchiveRefused) as exc:
+            # Refused before anything was deleted: the path is the operator's to mend.
             raise self.bad_input(str(exc)) from exc
         except (DatabaseError, OSError) as exc:
             # The batches before this one are removed (and archived); the next run goes on.

@@ -1,0 +1,412 @@
+"""The promise at the edge of the host (SPEC "The host's edge"): the ledger's durable
+moments are its own, whatever transaction the caller is in."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection, connections, transaction
+from django.test import Client
+from django.urls import reverse
+
+from events_ledger import InCallersTransaction, cleanup_run, run_steps, sweep
+from events_ledger.cleanup import reconcile_module
+from events_ledger.ledger import execute_step
+from events_ledger.models import EventRun, EventRunResource, EventRunStep
+from tests.helpers import ledger_action, new_run, new_step
+
+Res = EventRunResource.objects
+world_db = pytest.mark.django_db(transaction=True)
+
+
+def _calls(registry: Any) -> list[str]:
+    """A `ledger` action that notes each perform and revert it is asked for."""
+    calls: list[str] = []
+
+    def perform(**_: Any) -> dict[str, Any]:
+        calls.append("perform")
+        return {"ok": True, "resources": [{"kind": "thing", "ref": "a"}]}
+
+    def revert(**_: Any) -> dict[str, Any]:
+        calls.append("revert")
+        return {"ok": True}
+
+    def reconcile(**_: Any) -> dict[str, Any]:
+        calls.append("reconcile")
+        return {"ok": True, "in_force": ["a"]}
+
+    ledger_action(registry, "t.make", perform=perform, revert=revert, reconcile=reconcile)
+    return calls
+
+
+def _ended_run() -> EventRun:
+    run = new_run()
+    assert execute_step(new_step(run, "t.make")).outcome == "done"
+    EventRun.objects.transition(run, "cancelled", from_="running")
+    return run
+
+
+@world_db
+@pytest.mark.parametrize("how", ["atomic", "autocommit off"])
+def test_a_step_inside_a_callers_transaction_is_refused_before_its_claim(
+    isolated_registry, how
+):  # rule 1, W5: no module call before the claim and placeholder are durable
+    calls = _calls(isolated_registry)
+    run = new_run()
+    step = new_step(run, "t.make")
+    if how == "atomic":
+        with pytest.raises(InCallersTransaction, match="execute_step"), transaction.atomic():
+            execute_step(step)
+    else:
+        transaction.set_autocommit(False)
+        try:
+            with pytest.raises(InCallersTransaction, match="execute_step"):
+                execute_step(step)
+        finally:
+            transaction.rollback()
+            transaction.set_autocommit(True)
+    assert calls == []
+    step.refresh_from_db()
+    assert step.status == "pending" and step.attempts == 0
+    assert not Res.filter(run=run).exists()
+    # Outside the transaction the same step runs, once.
+    assert execute_step(step).outcome == "done" and calls == ["perform"]
+
+
+@world_db
+def test_a_rolled_back_caller_no_longer_loses_what_its_step_made(
+    isolated_registry,
+):  # rule 1: on a419c07 the module ran, the rollback took the ledger's rows with it
+    calls = _calls(isolated_registry)
+    run = new_run()
+    step = new_step(run, "t.make")
+    with pytest.raises(InCallersTransaction), transaction.atomic():
+        execute_step(step)
+    assert calls == []  # the world was not touched, so there is nothing to lose
+    assert not Res.filter(run=run).exists()
+
+
+@world_db
+def test_every_entry_point_that_calls_a_module_refuses_a_callers_transaction(
+    isolated_registry,
+):  # rule 1, C4, C5, C6, W5
+    calls = _calls(isolated_registry)
+    run = _ended_run()
+    driven = new_run(status="pending")
+    new_step(driven, "t.make")
+    calls.clear()
+    for name, call in [
+        ("cleanup_run", lambda: cleanup_run(run, reset_attempts=True, actor="op")),
+        ("sweep", lambda: sweep()),
+        ("reconcile_module", lambda: reconcile_module("t")),
+        ("run_steps", lambda: run_steps(driven)),
+    ]:
+        with pytest.raises(InCallersTransaction, match=name), transaction.atomic():
+            call()
+    assert calls == []
+    driven.refresh_from_db()
+    assert driven.status == "pending"
+    assert Res.filter(run=run, status="confirmed").count() == 1
+    assert not run.log.filter(kind="cleanup.retry").exists()
+    # Outside: each does its work.
+    assert cleanup_run(run).reverted == 1 and calls == ["revert"]
+
+
+@pytest.mark.django_db
+def test_a_test_cases_own_transaction_is_not_a_callers(isolated_registry):  # rule 1
+    # pytest-django's `db` wraps the test in a transaction it rolls back afterwards,
+    # as Django's TestCase does; the refusal follows Django's durable blocks there.
+    calls = _calls(isolated_registry)
+    assert connection.in_atomic_block
+    assert execute_step(new_step(new_run(), "t.make")).outcome == "done"
+    assert calls == ["perform"]
+
+
+# ── the console under ATOMIC_REQUESTS ──
+
+
+@pytest.fixture
+def atomic_requests():
+    """The host wraps every request in a transaction, as ATOMIC_REQUESTS does."""
+    settings = connection.settings_dict
+    before = settings.get("ATOMIC_REQUESTS", False)
+    settings["ATOMIC_REQUESTS"] = True
+    yield
+    settings["ATOMIC_REQUESTS"] = before
+
+
+def _probing_revert(registry: Any) -> list[tuple[bool, str | None]]:
+    """A revert (called in a worker thread) that notes whether the request's connection
+    is in a transaction and what another connection sees of the row it gives back."""
+    seen: list[tuple[bool, str | None]] = []
+    request_conn = connections["default"]  # the request's (the test client's thread)
+
+    def revert(**_: Any) -> dict[str, Any]:
+        probe = connections.create_connection("default")
+        try:
+            with probe.cursor() as cur:
+                cur.execute(
+                    f"SELECT status FROM {EventRunResource._meta.db_table} WHERE kind = 'thing'"
+                )
+                row = cur.fetchone()
+        finally:
+            probe.close()
+        seen.append((request_conn.in_atomic_block, row[0] if row else None))
+        return {"ok": True}
+
+    ledger_action(
+        registry,
+        "t.make",
+        perform=lambda **_: {"ok": True, "resources": [{"kind": "thing", "ref": "a"}]},
+        revert=revert,
+    )
+    return seen
+
+
+@world_db
+@pytest.mark.parametrize("via", ["action", "endpoint"])
+def test_the_consoles_retry_commits_its_claims_before_the_call_under_atomic_requests(
+    isolated_registry, admin_client: Client, atomic_requests, via
+):  # rule 1, S3, C4: the claim is durable when the module is asked
+    seen = _probing_revert(isolated_registry)
+    run = new_run()
+    assert execute_step(new_step(run, "t.make")).outcome == "done"
+    EventRun.objects.transition(run, "cancelled", from_="running")
+    if via == "action":
+        data = {"action": "retry_cleanup", "_selected_action": [run.pk], "post": "yes"}
+        resp = admin_client.post(reverse("admin:events_ledger_eventrun_changelist"), data)
+        assert resp.status_code == 302
+    else:
+        doc = admin_client.post(reverse("admin:events_ledger_eventrun_cleanup", args=[run.pk]))
+        assert doc.json()["reverted"] == 1
+    # On a419c07 the call came inside the request's transaction, its claim unseen.
+    assert seen == [(False, "reverting")]
+    run.refresh_from_db()
+    assert run.cleanup_status == "complete"
+    assert run.log.filter(kind="cleanup.retry").exists()
+
+
+@world_db
+def test_the_reconcile_action_runs_under_atomic_requests(
+    isolated_registry, admin_client: Client, atomic_requests
+):  # C6, S3
+    calls = _calls(isolated_registry)
+    run = new_run()
+    assert execute_step(new_step(run, "t.make")).outcome == "done"
+    row = Res.get(run=run, kind="thing")
+    data = {"action": "reconcile", "index": 0, "_selected_action": [row.pk]}
+    resp = admin_client.post(
+        reverse("admin:events_ledger_eventrunresource_changelist"), data, follow=True
+    )
+    assert resp.status_code == 200
+    assert calls == ["perform", "reconcile"]
+    assert EventRunStep.objects.get(run=run).status == "done"
+
+
+# ── a prune beside a sweep, and the prune's walk ──
+
+
+@world_db
+def test_a_prune_that_removes_a_run_a_pass_holds_neither_fails_nor_pages_the_pass(
+    isolated_registry,
+):  # C5, #28: on a419c07 the pass failed with KeyError and its runs were worked one by one
+    from events_ledger.retention import prune
+
+    _calls(isolated_registry)
+    run = _ended_run()
+    other = _ended_run()
+    met: list[bool] = []
+
+    def meanwhile() -> bool:
+        # Between the pass's scan and its work: another sweeper gives the run back and a
+        # prune removes it.
+        if not met:
+            met.append(True)
+            assert cleanup_run(run).cleanup_status == "complete"
+            EventRun.objects.filter(pk=run.pk).update(
+                finished_at=EventRun.objects.get(pk=run.pk).created_at - timedelta(days=2)
+            )
+            assert prune(older_than=timedelta(days=1)).runs == 1
+        return False
+
+    report = sweep(should_stop=meanwhile)
+    assert met and not EventRun.objects.filter(pk=run.pk).exists()
+    assert report.errors == {}
+    assert {s.run_id: s.cleanup_status for s in report.runs} == {
+        run.pk: "complete",
+        other.pk: "complete",
+    }
+    assert not other.log.filter(kind="cleanup.error").exists()
+
+
+@pytest.mark.django_db
+def test_a_due_run_behind_a_young_one_in_id_order_is_pruned(
+    isolated_registry,
+):  # #28: on a419c07 the walk stopped at the first window of young runs
+    from django.utils import timezone
+
+    from events_ledger.retention import prune
+
+    young = new_run(status="completed")
+    long_ago = timezone.now() - timedelta(days=30)
+    due = new_run(status="completed", created_at=long_ago, finished_at=long_ago)
+    assert young.pk < due.pk
+    report = prune(older_than=timedelta(days=1), batch=1)
+    assert report.runs == 1
+    assert EventRun.objects.filter(pk=young.pk).exists()
+    assert not EventRun.objects.filter(pk=due.pk).exists()
+
+
+# ── the archive (#28's history, kept whole and private) ──
+
+
+def _old_runs(count: int) -> list[int]:
+    from tests.test_retention import history
+
+    return history(count)
+
+
+def _prune_command(*args: str) -> tuple[int, str]:
+    from tests.test_retention import command
+
+    code, out, err = command("--older-than", "30d", *args)
+    return code, out + err
+
+
+@world_db
+def test_a_damaged_early_batch_is_refused_not_cut(tmp_path):  # #28, rule 2: loud, lose nothing
+    path = tmp_path / "ledger.jsonl.gz"
+    first = _old_runs(6)
+    assert _prune_command("--batch", "2", "--archive", str(path))[0] == 0
+    data = bytearray(path.read_bytes())
+    data[30] ^= 0xFF  # inside the first of three batches
+    path.write_bytes(bytes(data))
+    (tmp_path / "ledger.jsonl.gz.committed").unlink()  # as an archive made before the mark
+    later = _old_runs(2)
+    code, said = _prune_command("--archive", str(path))
+    # On a419c07 the prune cut the file at the damage: two batches of removed runs lost.
+    assert code == 2 and str(path) in said and "damaged" in said
+    assert path.read_bytes() == bytes(data)
+    assert EventRun.objects.filter(pk__in=later).count() == 2 and first
+
+
+@world_db
+@pytest.mark.parametrize("content", ["jsonl", "gzip-text", "xz"])
+def test_a_file_that_is_not_an_archive_is_refused_byte_for_byte(tmp_path, content):  # #28
+    import gzip
+    import lzma
+
+    path = tmp_path / "export"
+    body = b'{"some": "export"}\n{"of": "the host"}\n'
+    data = {"jsonl": body, "gzip-text": gzip.compress(b"hello\n"), "xz": lzma.compress(body)}
+    path.write_bytes(data[content])
+    path.chmod(0o644)
+    ids = _old_runs(2)
+    code, said = _prune_command("--archive", str(path))
+    assert code == 2 and str(path) in said
+    assert path.read_bytes() == data[content] and (path.stat().st_mode & 0o777) == 0o644
+    assert EventRun.objects.filter(pk__in=ids).count() == 2
+    assert not (tmp_path / "export.committed").exists()
+
+
+@world_db
+def test_an_archive_that_cannot_be_written_is_refused_before_anything_goes(tmp_path):  # #28
+    ids = _old_runs(2)
+    missing = tmp_path / "no-such-dir" / "ledger.jsonl.gz"
+    code, said = _prune_command("--archive", str(missing))
+    assert code == 2 and str(missing) in said  # on a419c07: exit 1 after the first batch
+    link = tmp_path / "link.gz"
+    link.symlink_to(tmp_path / "elsewhere.gz")
+    code, said = _prune_command("--archive", str(link))
+    assert code == 2 and str(link) in said and not (tmp_path / "elsewhere.gz").exists()
+    real = tmp_path / "real.gz"
+    real.touch()
+    (tmp_path / "second-name.gz").hardlink_to(real)
+    code, said = _prune_command("--archive", str(real))
+    assert code == 2 and "links" in said
+    assert EventRun.objects.filter(pk__in=ids).count() == 2
+
+
+@world_db
+def test_the_archive_is_created_and_kept_0600(tmp_path):  # #28: it holds every column
+    import stat
+
+    new = tmp_path / "new.jsonl.gz"
+    _old_runs(1)
+    assert _prune_command("--archive", str(new))[0] == 0
+    assert stat.S_IMODE(new.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "new.jsonl.gz.committed").stat().st_mode) == 0o600
+    # An archive left world-readable (a copy, a umask) is narrowed once read as ours.
+    new.chmod(0o666)
+    _old_runs(1)
+    assert _prune_command("--archive", str(new))[0] == 0
+    assert stat.S_IMODE(new.stat().st_mode) == 0o600
+
+
+@world_db
+def test_a_prune_reads_only_what_lies_past_the_committed_offset(tmp_path):  # #28: O(batch)
+    from events_ledger.retention import read_archive
+
+    path = tmp_path / "ledger.jsonl.gz"
+    first = _old_runs(2)
+    assert _prune_command("--archive", str(path))[0] == 0
+    committed = int((tmp_path / "ledger.jsonl.gz.committed").read_text())
+    assert committed == path.stat().st_size
+    # Bytes before the mark are not read again: damage there goes unseen by the next
+    # prune (read_archive still finds it), which appends after it.
+    data = bytearray(path.read_bytes())
+    data[30] ^= 0xFF
+    path.write_bytes(bytes(data))
+    more = _old_runs(1)
+    assert _prune_command("--archive", str(path))[0] == 0
+    assert path.read_bytes()[:committed] == bytes(data)
+    assert not EventRun.objects.filter(pk__in=first + more).exists()
+    with pytest.raises(Exception, match="damaged"):
+        list(read_archive(path))
+
+
+# ── what a message on the broker may ask ──
+
+
+@world_db
+def test_a_task_message_chooses_no_archive_and_no_shorter_cut_off(settings, tmp_path):  # #28
+    from events_ledger import jobs
+
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "RETENTION": timedelta(days=30)}
+    with pytest.raises(ValueError, match="ARCHIVE"):
+        jobs.prune_once(archive=str(tmp_path / "any-file"))
+    assert not (tmp_path / "any-file").exists()
+    for wrong in (1, 0, -5, "1", True, 10**30):
+        with pytest.raises(ValueError, match="older_than"):
+            jobs.prune_once(older_than=wrong)
+    for wrong in (0, -1, 10**6, "10"):
+        with pytest.raises(ValueError, match="batch"):
+            jobs.prune_once(batch=wrong)
+    assert jobs.prune_once(older_than=timedelta(days=60).total_seconds())["runs"] == 0
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "RETENTION": None}
+    assert jobs.prune_once(older_than=1) == {"kept_for_ever": True, "runs": 0}
+
+
+@world_db
+def test_every_task_argument_from_a_broker_is_bounded(settings):  # C5, #14
+    from events_ledger import jobs
+
+    for wrong in (0, -1, jobs.MAX_SWEEP_LIMIT + 1, "5", 2.5):
+        with pytest.raises(ValueError, match="limit"):
+            jobs.sweep_once(limit=wrong)
+    with pytest.raises(ValueError, match="scope"):
+        jobs.sweep_once(scope=["a"])
+    assert jobs.sweep_once(limit=jobs.MAX_SWEEP_LIMIT)["errors"] == {}
+    from importlib.util import find_spec
+
+    package = "django.tasks" if find_spec("django.tasks") else "django_tasks"
+    if not find_spec(package):
+        return
+    from events_ledger.tasks import run_task
+
+    settings.TASKS = {"default": {"BACKEND": f"{package}.backends.immediate.ImmediateBackend"}}
+    for wrong in (-1, jobs.BUSY_RETRIES + 1):
+        with pytest.raises(ValueError, match="busy_retries"):
+            run_task.call(new_run().pk, "fail", wrong)
