@@ -57,6 +57,8 @@ DEFAULTS: dict[str, Any] = {
 
 #: A shorter bearer token is guessable; the check says so at start-up.
 MIN_TOKEN_LENGTH = 16
+#: ``"a" * 16`` is as long and as guessable as one character.
+MIN_TOKEN_DISTINCT = 8
 
 T = TypeVar("T")
 
@@ -117,18 +119,26 @@ class _Fraction(_Setting[float]):
 
 class _Token(_Setting["str | None"]):
     def check(self, value: Any) -> str | None:
-        if value is not None and (not isinstance(value, str) or len(value) < MIN_TOKEN_LENGTH):
-            # The value is a secret: say how long it is, never what it is.
-            shown = (
-                _("%(count)d characters") % {"count": len(value)}
-                if isinstance(value, str)
-                else repr(value)
+        if value is None:
+            return None
+        # The value is a secret: say how long it is or what type, never what it is.
+        if not isinstance(value, str):
+            shown = _("a value of type %(type)s") % {"type": type(value).__name__}
+        elif len(value) < MIN_TOKEN_LENGTH or len(set(value)) < MIN_TOKEN_DISTINCT:
+            shown = _("%(count)d characters, %(distinct)d of them different") % {
+                "count": len(value),
+                "distinct": len(set(value)),
+            }
+        else:
+            return value
+        raise self.wrong(
+            _(
+                "None or a string of at least %(min)d characters, %(distinct)d of them "
+                "different (secrets.token_urlsafe(32) makes one)"
             )
-            raise self.wrong(
-                _("None or a string of at least %(min)d characters") % {"min": MIN_TOKEN_LENGTH},
-                shown,
-            )
-        return value
+            % {"min": MIN_TOKEN_LENGTH, "distinct": MIN_TOKEN_DISTINCT},
+            shown,
+        )
 
 
 class _Retention(_Setting["timedelta | None"]):

@@ -66,9 +66,15 @@ def token_matches(request: Any) -> bool | None:
     token = _bearer(request)
     if token is None:
         return None
+    from django.core.exceptions import ImproperlyConfigured
+
     from .conf import ledger_settings
 
-    expected = ledger_settings.METRICS_TOKEN
+    try:
+        expected = ledger_settings.METRICS_TOKEN
+    except ImproperlyConfigured:
+        # A wrong setting (the system check names it) lets no token in; it is no 500.
+        return False
     return expected is not None and hmac.compare_digest(token.encode(), expected.encode())
 
 

@@ -410,3 +410,20 @@ def test_commands_print_database_text_as_text():
     with pytest.raises(CommandError):
         call_command("ledger_status", stdout=out, force_color=True)
     assert "\x1b[" in out.getvalue() and "\x1b]" not in out.getvalue()
+
+
+def test_database_text_cannot_forge_a_line_or_reorder_one():  # #25, S1
+    # A module's error that holds a line break (or a Unicode line separator, or a
+    # direction mark) stays on its own line: cron mail cannot be told "OK" by a module.
+    from tests.factories import ResourceFactory, RunFactory
+
+    forged = "boom\nOK: nothing to do\r\u2028\u200f\u061c"
+    run = RunFactory(name="night", status="completed", cleanup_status="incomplete")
+    ResourceFactory(run=run, ref="r", revert_attempts=3, last_error=forged)
+    code, out, err = command("ledger_status", "--verbosity", "2")
+    assert "boom\\x0aOK: nothing to do\\x0d\\u2028\\u200f\\u061c" in out
+    assert not any(line.startswith("OK: nothing") for line in (out + err).splitlines())
+    assert "\u200f" not in out and "\u2028" not in out
+    # The JSON documents keep their own structure, their strings escaped by json itself.
+    code, out, _ = command("cleanup_runs", "--dry-run", "--json")
+    json.loads(out)

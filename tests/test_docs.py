@@ -1367,7 +1367,7 @@ def test_two_settings_fragments_of_a_page_do_not_overwrite_each_other(tmp_path, 
                 1,
                 "python",
                 {"file": "settings.py"},
-                'EVENTS_LEDGER["METRICS_TOKEN"] = "t" * 16\n',
+                'EVENTS_LEDGER["METRICS_TOKEN"] = "t0k3n-0f-s1xteen+"\n',
             )
         )
         with pytest.raises(DocError, match="binds EVENTS_LEDGER anew"):
@@ -1389,6 +1389,9 @@ def test_two_settings_fragments_of_a_page_do_not_overwrite_each_other(tmp_path, 
                 "EVENTS_LEDGER.update(MAX_REVERT_ATTEMPTS=4)\n",
             )
         )
-        assert settings.EVENTS_LEDGER == {"METRICS_TOKEN": "t" * 16, "MAX_REVERT_ATTEMPTS": 4}
+        assert settings.EVENTS_LEDGER == {
+            "METRICS_TOKEN": "t0k3n-0f-s1xteen+",
+            "MAX_REVERT_ATTEMPTS": 4,
+        }
     finally:
         run.close()

@@ -673,6 +673,8 @@ def test_without_the_extras_the_features_say_how_to_get_them(monkeypatch, settin
     [
         ("METRICS_TOKEN", "short"),
         ("METRICS_TOKEN", 1234567890123456789),
+        ("METRICS_TOKEN", "a" * 16),
+        ("METRICS_TOKEN", b"0123456789abcdefghij"),
         ("HEALTH_MAX_UNRESOLVED_AGE", 0),
         ("HEALTH_MAX_UNRESOLVED_AGE", "1 day"),
     ],
@@ -683,7 +685,17 @@ def test_the_new_settings_are_checked(settings, key, value):  # #15, S4
     settings.EVENTS_LEDGER = {key: value}
     [error] = check_settings()
     assert error.id == "events_ledger.E006" and key in error.msg
-    assert "short" not in error.msg  # a token is never printed back
+    # A token is never printed back, whatever its type.
+    assert all(secret not in error.msg for secret in ("short", "1234567890", "aaaa", "0123456"))
+
+
+def test_a_wrong_token_setting_refuses_bearers_without_a_500(settings):  # #15, S4
+    from django.test import Client
+
+    for wrong in (1234567890123456789, "a" * 16):
+        settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "METRICS_TOKEN": wrong}
+        resp = Client().get("/metrics", HTTP_AUTHORIZATION=f"Bearer {wrong}")
+        assert resp.status_code == 401  # on a419c07 the int was a 500, "a" * 16 let in
 
 
 # ── log records with context ──

@@ -14,10 +14,14 @@ from django.utils.translation import gettext as _
 #: Exit statuses. 0: clean, or retries pending. 1: something needs a human. 2: bad input.
 OK, NEEDS_HUMAN, BAD_INPUT = 0, 1, 2
 
-#: What a terminal would obey in database text: controls below 0x20 but newline and tab, DEL,
-#: the controls 0x80-0x9f (0x9b is a CSI on its own), and the bidirectional overrides that reorder a
-#: line (#25: an ``ESC]0;…`` in a row's last_error retitled the operator's terminal).
-_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+#: What a terminal would obey in database text: controls below 0x20 but tab, DEL, the
+#: controls 0x80-0x9f (0x9b is a CSI on its own), the bidirectional marks and overrides that
+#: reorder a line (#25: an ``ESC]0;…`` in a row's last_error retitled the operator's
+#: terminal), and every line break: each write is one line of the command's own, so a
+#: module's error ``"boom\nOK: nothing to do"`` cannot forge a line in the cron's mail.
+_CONTROLS = re.compile(
+    r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
 
 
 def printable(text: str) -> str:
@@ -118,7 +122,9 @@ class LedgerCommand(BaseCommand):
         )
 
     def emit_json(self, document: Any) -> None:
-        self.stdout.write(json.dumps(document, indent=2, default=str, sort_keys=True))
+        # json.dumps escapes every control and non-ASCII character inside its strings:
+        # its own line breaks are the document's structure.
+        self.stdout.write(_Styled(json.dumps(document, indent=2, default=str, sort_keys=True)))
 
     def bad_input(self, message: str) -> CommandError:
         return CommandError(message, returncode=BAD_INPUT)
