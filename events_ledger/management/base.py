@@ -24,9 +24,13 @@ _CONTROLS = re.compile(
 )
 
 
-def printable(text: str) -> str:
+def printable(text: str, *, lines: bool = False) -> str:
     """``text`` with every control character shown as an escape (``\\x1b``), so
-    database text (a module's error, a ref, a run's name) reaches a terminal as text."""
+    database text (a module's error, a ref, a run's name) reaches a terminal as text.
+    ``lines`` keeps plain newlines (a report of several lines the command did not write
+    from database text)."""
+    if lines:
+        return "\n".join(printable(line) for line in text.split("\n"))
     return _CONTROLS.sub(
         lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text
     )
@@ -39,14 +43,15 @@ class _Styled(str):
 class _PrintableStyle:
     """The command's ``style``, each style made printable before it is coloured."""
 
-    def __init__(self, style: Any) -> None:
+    def __init__(self, style: Any, *, lines: bool = False) -> None:
         self._style = style
+        self._lines = lines
 
     def __getattr__(self, name: str) -> Any:
         style = getattr(self._style, name)
         if not callable(style):
             return style
-        return lambda text: _Styled(style(printable(str(text))))
+        return lambda text: _Styled(style(printable(str(text), lines=self._lines)))
 
 
 class _PrintableOutput(OutputWrapper):
@@ -59,7 +64,11 @@ class _PrintableOutput(OutputWrapper):
         style_func: Callable[[str], str] | None = None,
         ending: str | None = None,
     ) -> None:
-        super().write(msg if isinstance(msg, _Styled) else printable(msg), style_func, ending)
+        if not isinstance(msg, _Styled):
+            # A style function passed in is Django's own multi-line report (a system
+            # check's); every other write is one line, so its line breaks are escaped.
+            msg = printable(msg, lines=style_func is not None)
+        super().write(msg, style_func, ending)
 
 
 def _printable_output(out: Any) -> _PrintableOutput:
@@ -108,6 +117,16 @@ class LedgerCommand(BaseCommand):
     def execute(self, *args: Any, **options: Any) -> Any:
         self.verbosity = options.get("verbosity", 1)
         return super().execute(*args, **options)
+
+    def check(self, *args: Any, **kwargs: Any) -> None:
+        # Django's system-check report is several lines of its own, made from settings,
+        # not from database text: its line breaks stay.
+        style = self._printable_style
+        self._printable_style = _PrintableStyle(style._style, lines=True)
+        try:
+            super().check(*args, **kwargs)
+        finally:
+            self._printable_style = style
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
         parser = super().create_parser(prog_name, subcommand, **kwargs)
