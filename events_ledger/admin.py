@@ -332,12 +332,17 @@ class EventRunAdmin(LedgerAdmin):
         obj: EventRun | None = None,
     ) -> HttpResponse:
         if obj is not None:
-            rows = list(Res.for_run(obj)[:PAGE_LIMIT])
+            # The rows themselves (refs, errors, claims) are the resources' to show: a
+            # user who may view runs but not resources reads their counts only.
+            rows_visible = self._has_app_perm(request, "view_eventrunresource")
+            rows = list(Res.for_run(obj)[:PAGE_LIMIT]) if rows_visible else []
             log = list(obj.log.order_by("-created_at", "-pk")[:PAGE_LIMIT])
             incomplete = obj.cleanup_status == CleanupStatus.INCOMPLETE
             steps = list(obj.steps.all())
             total = Res.filter(run=obj).count()
             behind = self.waiting_behind(obj, steps)
+            if behind and not rows_visible:
+                behind = {**behind, "resources": []}
             waits = behind["row_ids"] if behind else set()
             context.update(
                 steps=steps,
@@ -358,6 +363,7 @@ class EventRunAdmin(LedgerAdmin):
                 behind=behind,
                 can_retry=self.has_retry_cleanup_permission(request) and obj.is_terminal,
                 page_limit=PAGE_LIMIT,
+                rows_visible=rows_visible,
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
 

@@ -807,3 +807,20 @@ def test_the_example_project_is_not_in_debug_and_has_no_public_key(tmp_path):  #
         assert debug == "False" and "example" not in key
         keys.add(key)
     assert len(keys) == 2  # made for each process: nothing public to forge with
+
+
+@pytest.mark.django_db
+def test_the_rows_are_shown_only_to_users_who_may_view_resources():  # S3, #25
+    # A user who may view runs but not resources read the rows' refs and errors on the
+    # run page and the dashboard (a419c07); now the counts, and where to get the rows.
+    run = incomplete_run()
+    secret = "the-token-in-a-ref"
+    Res.filter(run=run).update(ref=secret, last_error=f"refused {secret}")
+    pages = [run_url(run), reverse("admin:app_list", args=["events_ledger"])]
+    runs_only = user_with("view_eventrun")
+    for page in pages:
+        html = runs_only.get(page).content.decode()
+        assert secret not in html and "shown to users who may view resources" in html
+    both = user_with("view_eventrun", "view_eventrunresource")
+    for page in pages:
+        assert secret in both.get(page).content.decode()

@@ -5,6 +5,7 @@ page writes it)."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime
 from typing import Any
 
@@ -24,7 +25,12 @@ def ledger_dashboard(context: Any) -> dict[str, Any]:
     # What the console's lists show, to whoever may read them (S3's view permissions).
     if user is None or not user.has_perm("events_ledger.view_eventrun"):
         return {"dashboard": None}
-    return {"dashboard": overview(snapshot(details=True)), "request": request}
+    shown = overview(snapshot(details=True))
+    rows_visible = user.has_perm("events_ledger.view_eventrunresource")
+    if not rows_visible:
+        # The oldest rows' refs and errors are the resources' to show (S3).
+        shown = dataclasses.replace(shown, oldest=[])
+    return {"dashboard": shown, "request": request, "rows_visible": rows_visible}
 
 
 @register.filter
