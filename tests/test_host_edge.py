@@ -3,6 +3,7 @@ moments are its own, whatever transaction the caller is in."""
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -410,3 +411,31 @@ def test_every_task_argument_from_a_broker_is_bounded(settings):  # C5, #14
     for wrong in (-1, jobs.BUSY_RETRIES + 1):
         with pytest.raises(ValueError, match="busy_retries"):
             run_task.call(new_run().pk, "fail", wrong)
+
+
+# ── the demo's own command, on a database that is not the demo's ──
+
+
+@world_db
+def test_the_demo_refuses_a_database_that_holds_other_runs_and_leaves_users_alone(
+    world,
+):  # #25: make demo makes its own database; manage.py demo elsewhere changed nothing else
+    from django.contrib.auth.models import User
+    from django.core.management import CommandError, call_command
+
+    from project.world.management.commands.demo import Command
+    from project.world.models import Creature
+
+    Creature.objects.create(region="north", kind="wolf", serial="keep-me", spawned_by="host")
+    new_run(name="someone's real run")
+    with pytest.raises(CommandError, match="not the demo's"):
+        call_command("demo", stdout=open(os.devnull, "w"))
+    assert Creature.objects.filter(serial="keep-me").exists()
+    # A user named demo that exists is someone's: not promoted, its password kept.
+    user = User.objects.create_user("demo", password="theirs")
+    assert Command().demo_user().startswith("(unchanged")
+    user.refresh_from_db()
+    assert not user.is_superuser and user.check_password("theirs")
+    user.delete()
+    password = Command().demo_user()
+    assert User.objects.get(username="demo").check_password(password)

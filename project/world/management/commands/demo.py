@@ -11,7 +11,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from events_ledger import execute_step
 from events_ledger.models import EventRun, EventRunResource, EventRunStep
@@ -28,6 +28,15 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **opts: Any) -> None:
         self.out = self.stdout.write
+        # The demo clears the world's creatures and tells its story on a database of its
+        # own (make demo makes a new one): never on one that holds anything else.
+        others = EventRun.objects.exclude(scope="demo").count()
+        if others:
+            raise CommandError(
+                f"this database holds {others} run(s) that are not the demo's; the demo "
+                "clears the world's creatures, so it runs only on a database of its own "
+                "(make demo makes one)"
+            )
         world.switch_off()
         Creature.objects.all().delete()
         for region in ("north", "south"):
@@ -226,12 +235,12 @@ class Command(BaseCommand):
         )
 
     def demo_user(self) -> str:
-        password = secrets.token_urlsafe(9)
+        """A new superuser ``demo`` with a new password; a ``demo`` user that exists
+        already is someone's, and is left as it is (neither promoted nor given a new
+        password)."""
         User = get_user_model()
-        user, _ = User.objects.get_or_create(
-            username="demo", defaults={"is_staff": True, "is_superuser": True}
-        )
-        user.is_staff = user.is_superuser = True
-        user.set_password(password)
-        user.save()
+        if User.objects.filter(username="demo").exists():
+            return "(unchanged: the user demo existed already)"
+        password = secrets.token_urlsafe(9)
+        User.objects.create_superuser("demo", password=password)
         return password
