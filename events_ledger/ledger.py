@@ -633,6 +633,23 @@ def _settle_answer(
         return expected
     out = _write_rows(b.run, b.step, b.action, b.placeholder_id, answer, resolve=written)
     recorded.append(out)
+    if out.late_for_cleanup:
+        # Its placeholder was given back by key before this answer came: what it made
+        # is recorded (and goes back in the next pass), but possibly after an earlier
+        # phase went (C8 broken after the fact). Said on the run, and signalled.
+        EventRunLog.objects.write(
+            b.run.pk,
+            "step.late_after_cleanup",
+            storable_json(
+                {
+                    "step": b.step.pk,
+                    "action": b.action.id,
+                    "phase": b.step.phase,
+                    "recorded": out.recorded,
+                }
+            ),
+        )
+        signals.answered_after_cleanup(b.step, out.recorded)
     result = _done(out)
     status, _, error = _verdict(b.step, result)
     expected_status, _, expected_error = _verdict(b.step, expected)

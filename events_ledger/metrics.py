@@ -281,6 +281,12 @@ class _Counters:
         self.steps_failed = counter(
             "steps_failed", "Steps this process failed for good, by action.", ("action",)
         )
+        self.late = counter(
+            "late_answers",
+            "Step answers this process recorded after cleanup had given their placeholder "
+            "back (the order of giving back was broken after the fact), by action.",
+            ("action",),
+        )
         self.orphaned = counter(
             "resources_orphaned", "Rows this process's reconcile orphaned, by owner.", ("owner",)
         )
@@ -312,6 +318,9 @@ class _Counters:
 
     def on_step_failed(self, sender: Any, step: Any, **kwargs: Any) -> None:
         self.steps_failed.labels(step.action_id).inc()
+
+    def on_late_answer(self, sender: Any, step: Any, **kwargs: Any) -> None:
+        self.late.labels(step.action_id).inc()
 
     def on_orphaned(self, sender: Any, owner: str, resources: Any, **kwargs: Any) -> None:
         self.orphaned.labels(owner).inc(resources.count())
@@ -354,6 +363,7 @@ def install() -> None:
         )
         signals.step_failed.connect(counters.on_step_failed, dispatch_uid=uid, weak=False)
         signals.resources_orphaned.connect(counters.on_orphaned, dispatch_uid=uid, weak=False)
+        signals.late_answer.connect(counters.on_late_answer, dispatch_uid=uid, weak=False)
         call_observers.append(counters.on_call)
         _counters = counters
 

@@ -20,6 +20,8 @@ signal                      sent when                               arguments
 ``step_failed``             a step failed for good                  run, step, resources (the
                                                                     step's rows), error
 ``cleanup_worked``          a cleanup wrote verdicts for a run      run, summary
+``late_answer``             a step's answer came after cleanup had  run, step, resources (the
+                            given its placeholder back              step's rows), recorded
 ==========================  ======================================  ============================
 
 ``summary`` is the pass's ``CleanupSummary`` for the run, or None when the sweep's
@@ -49,6 +51,7 @@ lease_drifted = Signal()
 resources_orphaned = Signal()
 step_failed = Signal()
 cleanup_worked = Signal()
+late_answer = Signal()
 
 NAMES = {
     id(cleanup_incomplete): "cleanup_incomplete",
@@ -57,6 +60,7 @@ NAMES = {
     id(resources_orphaned): "resources_orphaned",
     id(step_failed): "step_failed",
     id(cleanup_worked): "cleanup_worked",
+    id(late_answer): "late_answer",
 }
 
 Res = EventRunResource.objects
@@ -194,3 +198,15 @@ def step_failed_for_good(step: EventRunStep, error: str | None) -> None:
     run = step.run if EventRunStep.run.is_cached(step) else EventRun.objects.get(pk=step.run_id)
     rows = Res.filter(step=step.pk)
     _send(step_failed, EventRunStep, run=run, step=step, resources=rows, error=error)
+
+
+@_quietly("a late answer")
+def answered_after_cleanup(step: EventRunStep, recorded: int) -> None:
+    """After a late answer's rows are written (at its transaction's commit): its step's
+    placeholder had been given back by key, so the order of giving back (C8) was broken
+    after the fact, and its rows wait for the next pass."""
+    if not late_answer.has_listeners(EventRunStep):
+        return
+    run = step.run if EventRunStep.run.is_cached(step) else EventRun.objects.get(pk=step.run_id)
+    rows = Res.filter(step=step.pk)
+    _send(late_answer, EventRunStep, run=run, step=step, resources=rows, recorded=recorded)

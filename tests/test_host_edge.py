@@ -439,3 +439,44 @@ def test_the_demo_refuses_a_database_that_holds_other_runs_and_leaves_users_alon
     user.delete()
     password = Command().demo_user()
     assert User.objects.get(username="demo").check_password(password)
+
+
+# ── a late answer after its phase was given back ──
+
+
+@world_db
+def test_a_late_answer_after_its_placeholder_was_given_back_is_said_on_the_run(
+    world, isolated_registry
+):  # the invariant, C7, C8: on a419c07 it left no trace (late_for_cleanup never read)
+    from datetime import UTC, datetime
+
+    from events_ledger import signals
+    from events_ledger.inflight import keeper
+    from tests.helpers import Gate, wait_until
+    from tests.test_in_flight import gated_spawn, register_spawn, settled
+
+    heard: list[tuple[int, int]] = []
+
+    def receiver(sender: Any, step: Any, recorded: int, **_: Any) -> None:
+        heard.append((step.pk, recorded))
+
+    signals.late_answer.connect(receiver, weak=False, dispatch_uid="test-late")
+    try:
+        gate = Gate()
+        register_spawn(isolated_registry, gated_spawn(gate), budget_ms=200)
+        run = new_run()
+        step = new_step(run, "t.spawn", {"count": 2, "region": "south"})
+        assert execute_step(step).outcome == "overdue"
+        EventRun.objects.transition(run, "cancelled", from_="running")
+        for token in list(keeper.held()):  # a stalled process: nobody stamps its claim
+            keeper.release(token)
+        EventRunStep.objects.filter(pk=step.pk).update(claimed_at=datetime(2000, 1, 1, tzinfo=UTC))
+        sweep()  # gives the step back by key: nothing was made yet
+        gate.open()
+        wait_until(lambda: settled(step), "the late answer")
+        wait_until(lambda: bool(heard), "the late answer's signal")
+    finally:
+        signals.late_answer.disconnect(dispatch_uid="test-late")
+    entry = run.log.get(kind="step.late_after_cleanup")
+    assert entry.detail["step"] == step.pk and entry.detail["recorded"] == 2
+    assert heard == [(step.pk, 2)]
