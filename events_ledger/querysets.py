@@ -417,6 +417,14 @@ def _needing_cleanup(
     # runs behind it once a batch's worth of steps hang.
     steps = _manager(base.model, "steps")
     ready = owing.exclude(Exists(steps.in_flight(step_ttl).filter(pk=OuterRef("step_id"))))
+    if ordered:
+        # C8: a row behind a later phase's step in flight cannot be claimed either; read
+        # as ready, a batch's worth of such runs (hung calls) filled every pass, which
+        # gave nothing back, and the runs behind them were never swept.
+        later = steps.in_flight(step_ttl).filter(
+            run=OuterRef("run_id"), phase_rank__gt=OuterRef("phase_rank")
+        )
+        ready = ready.exclude(Exists(later))
     # An IN of the ready rows' runs, not a correlated EXISTS per run: MariaDB planned
     # that as a read of every step.
     first = ExpressionWrapper(Q(pk__in=_runs_of(ready)), output_field=BooleanField())

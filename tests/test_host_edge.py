@@ -480,3 +480,32 @@ def test_a_late_answer_after_its_placeholder_was_given_back_is_said_on_the_run(
     entry = run.log.get(kind="step.late_after_cleanup")
     assert entry.detail["step"] == step.pk and entry.detail["recorded"] == 2
     assert heard == [(step.pk, 2)]
+
+
+@world_db
+def test_runs_whose_earlier_phases_wait_behind_a_later_step_in_flight_do_not_starve_others(
+    world, isolated_registry, settings
+):  # C5, C8: on a419c07 such a run counted as ready and took the batch on every pass
+    from tests.helpers import Gate, spawn_step, wait_until
+    from tests.test_in_flight import gated_spawn, register_spawn, settled
+
+    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 1}
+    gate = Gate()
+    register_spawn(isolated_registry, gated_spawn(gate), budget_ms=200)
+    waiting = new_run(name="waiting")
+    assert execute_step(spawn_step(waiting, "north", 1)).outcome == "done"  # phase "main"
+    hung = EventRunStep.objects.create(
+        run=waiting, phase="later", seq=0, action_id="t.spawn", params={"count": 1}
+    )
+    assert execute_step(hung).outcome == "overdue"
+    EventRun.objects.transition(waiting, "cancelled", from_="running")
+    other = new_run(name="other")
+    assert execute_step(spawn_step(other, "south", 1)).outcome == "done"
+    EventRun.objects.transition(other, "cancelled", from_="running")
+    assert waiting.pk < other.pk
+    report = sweep()
+    assert [s.run_id for s in report.runs] == [other.pk]
+    other.refresh_from_db()
+    assert other.cleanup_status == "complete"
+    gate.open()
+    wait_until(lambda: settled(hung), "the late answer")
