@@ -230,23 +230,29 @@ def _claim_in_one_statement(
 ) -> Claimed | None:
     """``claim`` on PostgreSQL: one statement, so one transaction in autocommit. The
     run's mark and the claim are CTEs (each runs to completion, read or not); the claim
-    tests the run's status itself; the placeholder goes in once for each row the claim
+    reads the run under its lock (``live``); the placeholder goes in once for each row the claim
     returned (none when it was lost), skipping a target already held; the statement
     answers the step's attempts and parameters with the placeholder's new id."""
     steps = EventRunStep.objects
-    mark_sql, mark_params = EventRun.objects.all().mark_dirty_statement(step.run_id)
+    runs = EventRun.objects.all()
+    mark_sql, mark_params = runs.mark_dirty_statement(step.run_id)
+    live_sql, live_params = runs.live_statement(step.run_id)
+    # The claim decides on the run under the run's lock (``live``, FOR SHARE): its own
+    # test of the run's status read the statement's snapshot, which a cancel committed
+    # after it began does not change.
     claim_sql, claim_params = steps.claim_unread_statement(
-        step, ttl, by, max_attempts, token, live=None
+        step, ttl, by, max_attempts, token, live="(SELECT COUNT(*) FROM live)"
     )
     insert_sql, insert_params = EventRunResource.objects.placeholder_insert(
         step, owner, payload, ordered=ordered, only_if="claimed"
     )
     statement = (
         f"WITH marked AS ({mark_sql} RETURNING 1), "
+        f"live AS ({live_sql}), "
         f"claimed AS ({claim_sql} RETURNING attempts, params), "
         f"inserted AS ({insert_sql}) "
         "SELECT claimed.attempts, claimed.params, (SELECT id FROM inserted) FROM claimed",
-        [*mark_params, *claim_params, *insert_params],
+        [*mark_params, *live_params, *claim_params, *insert_params],
     )
     try:
         [read] = _send(statement)

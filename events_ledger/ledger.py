@@ -373,6 +373,10 @@ def _begin(step_id: int, tokens: list[str]) -> _Begun | StepResult:
     run = step.run
     action = registry.action(step.action_id)
     bind(run_id=run.pk, action=step.action_id, owner=action.owner if action else None)  # #15
+    # The claim decides on the run as it is now, under its lock: decided on the status
+    # read above, a run cancelled and swept in between had its step performed on a
+    # torn-down world, given back after the earlier phases (#7 of the host's edge).
+    run.status = EventRun.objects.status_locked(run.pk) or run.status
     if (
         action is not None
         and action.reversible in LEDGERED

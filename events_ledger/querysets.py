@@ -238,8 +238,15 @@ class EventRunQuerySet(models.QuerySet):
         return _MARK_DIRTY_IF_LIVE.statement(self, run=_pk(run))
 
     def live_statement(self, run: Any) -> Statement:
-        """A SELECT of the run's id, only while it has not ended."""
-        return _LIVE_RUN.statement(self, run=_pk(run))
+        """A SELECT of the run's id, only while it has not ended, under a shared lock of
+        the run's row: a step's claim decides on the run under its lock, so a cancel in
+        progress is waited for and read as it committed (PostgreSQL re-reads a row it
+        waited to lock), and a cancel that comes later waits for the claim to commit,
+        when a sweep sees the step in flight. Read from the statement's snapshot alone,
+        a run cancelled and swept meanwhile had its step performed after cleanup."""
+        sql, params = _LIVE_RUN.statement(self, run=_pk(run))
+        share = "LOCK IN SHARE MODE" if connections[self.db].vendor == "mysql" else "FOR SHARE"
+        return f"{sql} {share}", params
 
     def _derived_cleanup_status(self, max_attempts: int, max_claims: int, ordered: bool) -> Case:
         rows = _manager(self.model, "resources").filter(run=OuterRef("pk"))
@@ -251,6 +258,19 @@ class EventRunQuerySet(models.QuerySet):
             When(Exists(progressing), then=Value(CleanupStatus.PENDING)),
             default=Value(CleanupStatus.INCOMPLETE),
         )
+
+    def status_locked(self, run: Any) -> str | None:
+        """Inside the caller's transaction: lock the run's row and answer its status now
+        (None: no such run). A step's claim decides on the run under this lock, so a run
+        cancelled meanwhile is seen cancelled (PostgreSQL re-reads the row after waiting),
+        and a cancel that comes after waits for the claim to commit, when a sweep sees
+        the step in flight. SQLite: the transaction holds the whole file already."""
+        qs = self.filter(pk=_pk(run))
+        features = connections[self.db].features
+        if features.has_select_for_update:
+            qs = qs.select_for_update(no_key=features.has_select_for_no_key_update)
+        found = list(qs.values_list("status", flat=True))
+        return found[0] if found else None
 
     def lock(self, runs: Iterable[Any]) -> list[Any]:
         """Lock the runs' rows for the caller's transaction, in id order (so two callers
@@ -473,7 +493,7 @@ def _claim_unread(
     base: Any,
     ttl: timedelta,
     max_attempts: int,
-    live: str | None,
+    live: str,
     *,
     step: int,
     token: str,
@@ -481,16 +501,11 @@ def _claim_unread(
     action: str,
 ) -> tuple[Any, dict[str, Any]]:
     """``_claim`` of a step not read first: also only while it is still of ``action``,
-    under ``max_attempts``, and its run has not ended, which the run's status tells
-    (``live`` None) or a compound statement's variable named ``live``."""
+    under ``max_attempts``, and its run has not ended, which ``live`` says: an SQL
+    expression equal to 1 while it has not, read under the run's lock (a compound
+    statement's variable, or a count of ``live_statement``'s rows)."""
     qs, values = _claim(base, ttl, step=step, token=token, by=by)
-    not_ended: Exists | RawSQL
-    if live is None:
-        runs = _manager(base.model, "run").filter(pk=OuterRef("run_id"))
-        not_ended = Exists(runs.exclude(status__in=RUN_TERMINAL))
-    else:
-        not_ended = _is(live)
-    return qs.filter(action_id=action, attempts__lt=max_attempts).filter(not_ended), values
+    return qs.filter(action_id=action, attempts__lt=max_attempts).filter(_is(live)), values
 
 
 _CLAIM_UNREAD = Prepared(_claim_unread, step=int, token=str, by=str, action=str)
@@ -636,11 +651,11 @@ class EventRunStepQuerySet(models.QuerySet):
         max_attempts: int,
         token: str,
         *,
-        live: str | None,
+        live: str,
     ) -> Statement:
         """The claim of a step not read first, for ``fastpath``'s one statement: won only
         while the step is claimable, still of its action, under ``max_attempts``, and its
-        run has not ended (the block's variable ``live`` says so, or the run's status)."""
+        run has not ended (``live``, read under the run's lock, equals 1)."""
         return _CLAIM_UNREAD.statement(
             self, ttl, max_attempts, live, step=_pk(step), token=token, by=by, action=step.action_id
         )

@@ -509,3 +509,98 @@ def test_runs_whose_earlier_phases_wait_behind_a_later_step_in_flight_do_not_sta
     assert other.cleanup_status == "complete"
     gate.open()
     wait_until(lambda: settled(hung), "the late answer")
+
+
+# ── a later phase never starts after its run's cleanup began ──
+
+
+@world_db
+def test_a_step_read_before_its_run_was_cancelled_and_swept_is_not_performed(
+    isolated_registry, settings, vendor, monkeypatch
+):  # the invariant, C8, W5: the general path's claim decides on the run under its lock
+    if vendor == "sqlite":
+        pytest.skip("SQLite's transaction holds the file: the cancel waits for the claim")
+    from events_ledger import ledger
+    from tests.helpers import PATIENCE_S, Gate, in_thread
+
+    settings.EVENTS_LEDGER = {"FAST_PATH": False}
+    calls = _calls(isolated_registry)
+    run = new_run()
+    step = new_step(run, "t.make")
+    gate = Gate()
+    real = ledger.registry
+
+    class Pausing:
+        """The registry, whose first look-up (right after the step and its run are read,
+        before the claim) waits for the test."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def action(self, action_id: str) -> Any:
+            if not gate.entered.is_set():
+                gate.pass_through()
+            return real.action(action_id)
+
+    monkeypatch.setattr(ledger, "registry", Pausing())
+    thread, box = in_thread(lambda: execute_step(step.pk))
+    assert gate.entered.wait(PATIENCE_S)
+    # Meanwhile: the run is cancelled and swept (nothing of the step is in flight yet).
+    assert EventRun.objects.transition(run, "cancelled", from_="running")
+    sweep()
+    gate.open()
+    thread.join(PATIENCE_S)
+    assert "error" not in box, box.get("error")
+    # On a419c07 the claim went ahead on the status read before the cancel: performed.
+    assert calls == [] and box["value"].outcome == "failed"
+    assert "cancelled" in box["value"].error
+    assert not Res.filter(run=run).exclude(status="reverted").exists()
+
+
+@world_db
+def test_a_fast_claim_beside_a_cancel_in_progress_waits_for_it_and_is_refused(
+    isolated_registry, vendor
+):  # the invariant, C8, W5: the fast path's claim reads the run under its lock
+    if vendor == "sqlite":
+        pytest.skip("the fast path runs on MariaDB and PostgreSQL")
+    from events_ledger import fastpath
+    from tests.helpers import PATIENCE_S, in_thread, wait_until
+
+    assert fastpath.enabled()
+    calls = _calls(isolated_registry)
+    run = new_run()
+    step = new_step(run, "t.make")
+    table = EventRun._meta.db_table
+    cancel = connections.create_connection("default")
+    probe = connections.create_connection("default")
+    try:
+        cancel.set_autocommit(False)
+        with cancel.cursor() as c:  # the host's cancel, not committed yet
+            c.execute(f"UPDATE {table} SET status = 'cancelled' WHERE id = %s", [run.pk])
+        thread, box = in_thread(lambda: execute_step(step))  # one statement: not read first
+
+        def blocked() -> bool:
+            with probe.cursor() as c:
+                if vendor == "mysql":
+                    c.execute(  # a statement of the block, waiting on the run's row
+                        "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+                        "WHERE COMMAND = 'Query' AND ID <> CONNECTION_ID() "
+                        f"AND INFO LIKE '%%{table}%%'"
+                    )
+                else:
+                    c.execute(
+                        "SELECT COUNT(*) FROM pg_stat_activity WHERE query LIKE 'WITH marked%%' "
+                        "AND wait_event_type = 'Lock'"
+                    )
+                return bool(c.fetchone()[0])
+
+        wait_until(lambda: blocked() or not thread.is_alive(), "the claim to wait on the run")
+        cancel.commit()
+        thread.join(PATIENCE_S)
+    finally:
+        cancel.close()
+        probe.close()
+    assert "error" not in box, box.get("error")
+    # On a419c07 PostgreSQL's claim read the run from its snapshot: running, performed.
+    assert calls == [] and box["value"].outcome == "failed"
+    assert EventRun.objects.get(pk=run.pk).status == "cancelled"
