@@ -24,6 +24,7 @@ _EXPORTS = {
     "CleanupStatus": "states",
     "StepStatus": "states",
     "ResourceStatus": "states",
+    "InvalidTransition": "states",
     "cleanup_run": "cleanup",
     "plan_run": "cleanup",
     "sweep": "cleanup",

@@ -23,6 +23,7 @@ from .db import (
     dropping_dead,
     in_transaction,
     is_deadlock,
+    is_held,
     refuse_callers_transaction,
     retrying_deadlocks,
     statements_retried,
@@ -34,7 +35,7 @@ from .deadline import CallResult, call_all, call_with_deadline
 from .envelopes import Verdict, classify_revert, read_reconcile
 from .logcontext import log_context
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
-from .querysets import GroupClaim
+from .querysets import GroupClaim, new_token
 from .registry import Action
 from .registry import default_registry as registry
 from .states import RELEASED_UNCLEAN, CleanupStatus, ResourceStatus
@@ -517,10 +518,15 @@ def _work_round(
                 behind.append(group.behind)
         else:
             claimable.append(group)
-    token: str | None = None
+    # The claim's token is known before the claim is sent: a claim whose answer was lost
+    # after it committed is then this process's to hand back at its next pass, instead
+    # of holding its rows for REVERT_CLAIM_TTL and counting toward the poison limit.
+    token: str | None = new_token() if claimable else None
+    calling = False
     try:
-        lanes, token = _claim(claimable, summaries, log)
+        lanes = _claim(claimable, summaries, log, token)
         called = [lane for lane in lanes if not lane.poisoned]
+        calling = True
         verdicts = call_all(
             [partial(_given_back, lane.group, lane.rows) for lane in called],
             ledger_settings.CLEANUP_CONCURRENCY,
@@ -531,8 +537,9 @@ def _work_round(
     except BaseException:
         if token is not None:
             # No verdict in hand (the database went away at the claim, the process is
-            # being stopped): this process's next pass hands the claim back.
-            _unfinished.add(token)
+            # being stopped): this process's next pass hands the claim back, its count
+            # given back too when no module was called under it.
+            _unfinished.add(token, called=calling)
         try:
             log.flush()
         except DatabaseError as exc:
@@ -729,7 +736,9 @@ def _persistently(fn: Callable[[], T], *, atomic: bool = True) -> T:
         except DatabaseError as exc:
             spent = time.monotonic() - started > VERDICT_WRITE_BUDGET_S
             last = attempt == VERDICT_WRITE_TRIES - 1 or spent
-            if last or not (is_deadlock(exc) or drop_if_dead(exc)):
+            # A lock wait that timed out is retried here too, after a pause and within
+            # the budget: a verdict in hand must be written (it is fenced by its claim).
+            if last or not (is_deadlock(exc) or is_held(exc) or drop_if_dead(exc)):
                 raise
             db_retries["verdicts"] += 1
             time.sleep(min(2.0, 0.01 * 2**attempt) * random.uniform(0.5, 1.5))
@@ -758,13 +767,13 @@ POISONED = (
 
 
 def _claim(
-    groups: list[Group], summaries: dict[int, CleanupSummary], log: _LogBuffer
-) -> tuple[list[_Lane], str | None]:
-    """Claim every group's rows in one transaction, under one token; answers the lanes
-    to call. Rows claimed this often with no verdict (their revert kills or hangs every
-    sweeper that tries it) are failed for good instead of looping for ever."""
-    if not groups:
-        return [], None
+    groups: list[Group], summaries: dict[int, CleanupSummary], log: _LogBuffer, token: str | None
+) -> list[_Lane]:
+    """Claim every group's rows in one transaction, under the caller's ``token``; answers
+    the lanes to call. Rows claimed this often with no verdict (their revert kills or
+    hangs every sweeper that tries it) are failed for good instead of looping for ever."""
+    if not groups or token is None:
+        return []
     rows = [row for group in groups for row in group.rows]
     released = any(r.status in RELEASED_UNCLEAN for r in rows)
 
@@ -772,6 +781,7 @@ def _claim(
         return Res.claim_group(
             rows,
             ledger_settings.REVERT_CLAIM_TTL,
+            token=token,
             released=released,
             step_ttl=ledger_settings.STEP_CLAIM_TTL,
             ordered=ledger_settings.GIVE_BACK_IN_ORDER,
@@ -804,7 +814,7 @@ def _claim(
         rest = [row for row in mine if row.claim_count < max_claims]
         if rest:
             lanes.append(_Lane(group, rest))
-    return lanes, claim.token
+    return lanes
 
 
 def _given_back(group: Group, rows: list[EventRunResource]) -> Verdict:
@@ -1038,26 +1048,33 @@ class _UnfinishedClaims:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tokens: set[str] = set()
+        #: token -> whether a module was called under it (its claim then counts).
+        self._tokens: dict[str, bool] = {}
 
-    def add(self, token: str) -> None:
+    def add(self, token: str, *, called: bool = True) -> None:
         with self._lock:
-            self._tokens.add(token)
+            self._tokens[token] = self._tokens.get(token, False) or called
 
     def hand_back(self) -> int:
         with self._lock:
-            tokens = sorted(self._tokens)
+            tokens = dict(self._tokens)
         if not tokens:
             return 0
-        handed = Res.expire_claims(tokens)
+        called = sorted(t for t, c in tokens.items() if c)
+        uncalled = sorted(t for t, c in tokens.items() if not c)
+        # A claim no module was called under did not count toward the poison limit.
+        handed = (Res.expire_claims(called) if called else 0) + (
+            Res.expire_claims(uncalled, uncount=True) if uncalled else 0
+        )
         with self._lock:
-            self._tokens.difference_update(tokens)
+            for token in tokens:
+                self._tokens.pop(token, None)
         return handed
 
     def reset_after_fork(self) -> None:
         # A lock held by another thread at the fork would never be let go in the child.
         self._lock = threading.Lock()
-        self._tokens = set()
+        self._tokens = {}
 
 
 _unfinished = _UnfinishedClaims()

@@ -151,18 +151,32 @@ def is_unique_violation(exc: BaseException) -> bool:
 
 
 def is_deadlock(exc: BaseException) -> bool:
+    """A deadlock victim or a serialization failure: the other party goes on, so the
+    work rolled back is redone at once. Not a lock wait that timed out (``is_held``)."""
     err = _driver_error(exc)
     code = err.args[0] if getattr(err, "args", None) else None
-    if code in (1213, 1205):  # MySQL deadlock, lock wait timeout
+    if code == 1213:  # MySQL deadlock (and Galera's certification failure)
         return True
-    # PostgreSQL's deadlock, serialization failure and lock_timeout (its lock wait
-    # timeout, rolled back like MySQL's 1205).
-    if getattr(err, "sqlstate", None) in ("40P01", "40001", "55P03"):
+    # PostgreSQL's deadlock and serialization failure.
+    if getattr(err, "sqlstate", None) in ("40P01", "40001"):
         return True
     # SQLite's deferred transaction that read first and then wants to write fails at
     # once with SQLITE_BUSY when another connection writes: a deadlock by another name
     # (no busy timeout can help), and the cure is the same, restarting the transaction.
     return type(err).__module__.startswith("sqlite3") and "database is locked" in str(err)
+
+
+def is_held(exc: BaseException) -> bool:
+    """The server gave up on a statement that waited (a lock wait timeout: MySQL's 1205,
+    PostgreSQL's ``lock_timeout``) or was interrupted (``KILL QUERY``, a statement time
+    limit: MariaDB's 1317 and 1969, MySQL's 3024, PostgreSQL's ``query_canceled``).
+    Whoever holds the lock still holds it: the same statement sent again waits again,
+    so it is never retried at once."""
+    err = _driver_error(exc)
+    code = err.args[0] if getattr(err, "args", None) else None
+    if code in (1205, 1317, 1969, 3024):
+        return True
+    return getattr(err, "sqlstate", None) in ("55P03", "57014")
 
 
 def is_connection_lost(exc: BaseException) -> bool:

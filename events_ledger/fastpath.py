@@ -45,6 +45,7 @@ from .db import (
     causal_reads,
     driver_code,
     drop_if_dead,
+    is_held,
     sqlstate,
     unretried,
 )
@@ -208,9 +209,9 @@ def claim(
     block = (";\n".join(sql for sql, _ in parts), [p for _, ps in parts for p in ps])
     try:
         [read] = _send(block)
-    except Exception:
+    except Exception as exc:
         logger.warning("step %s: its claim's block failed; reading back", step.pk, exc_info=True)
-        return _claim_read_back(step, token)
+        return _claim_read_back(step, token, exc)
     if not read.rows:
         return None
     attempts, params, inserted, new_id = steps.claimed_in_block(read.rows)
@@ -256,11 +257,11 @@ def _claim_in_one_statement(
     )
     try:
         [read] = _send(statement)
-    except Exception:
+    except Exception as exc:
         logger.warning(
             "step %s: its claim's statement failed; reading back", step.pk, exc_info=True
         )
-        return _claim_read_back(step, token)
+        return _claim_read_back(step, token, exc)
     if not read.rows:
         return None
     [(attempts, params, new_id)] = read.rows
@@ -269,12 +270,16 @@ def _claim_in_one_statement(
     return Claimed(steps.claimed_step(step, token, attempts, params), token, placeholder)
 
 
-def _claim_read_back(step: Any, token: str) -> Claimed | None:
+def _claim_read_back(step: Any, token: str, exc: Exception) -> Claimed | None:
     """What a claim's block that failed left: its transaction committed (our token is on
-    the step; its placeholder went in with it) or nothing of it did."""
+    the step; its placeholder went in with it) or nothing of it did. Nothing of it, and
+    the server gave up on a wait (a lock wait timeout, an interrupt): the error is the
+    caller's, not the general path's to send into the same wait again."""
     with causal_reads():
         found = EventRunStep.objects.under_claim(step, token)
     if found is None:
+        if is_held(exc):
+            raise exc
         return None
     attempts, params = found
     logger.warning("step %s: its claim's block had committed", step.pk)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import connection
+from django.db import DatabaseError, connection
 
 from . import fastpath, signals
 from .conf import ledger_settings
@@ -17,6 +17,7 @@ from .db import (
     drop_if_dead,
     dropping_dead,
     in_transaction,
+    is_held,
     refuse_callers_transaction,
     statements_retried,
     storable,
@@ -265,7 +266,8 @@ def _insert(run_id: int, step: EventRunStep, action: Action, rows: list[dict[str
 @dataclass
 class StepResult:
     """What ``execute_step`` did. ``outcome``: ``done``, ``retry``, ``failed``,
-    ``refused``, ``busy`` (another call of the step holds it), or ``overdue`` (the call
+    ``refused``, ``busy`` (another call of the step holds it, or its claim waited on a
+    lock another transaction holds until the server gave up), or ``overdue`` (the call
     outlived its deadline and still runs: the step stays claimed until it ends, and its
     answer is recorded then)."""
 
@@ -320,9 +322,19 @@ class _Begun:
 def _claim_and_execute(step_id: int, known: EventRunStep | None) -> StepResult:
     # Durable moment 1 (rule 1): the claim and the placeholder with its dirty mark (or
     # the verdict of a step that may not run) commit together, before any module call.
-    begun = _begin_fast(step_id, known) if fastpath.enabled() else None
-    if begun is None:
-        begun = _begin_read_back(step_id)
+    try:
+        begun = _begin_fast(step_id, known) if fastpath.enabled() else None
+        if begun is None:
+            begun = _begin_read_back(step_id)
+    except DatabaseError as exc:
+        if not is_held(exc):
+            raise
+        # The server gave up on a wait (a lock another transaction holds on the run's or
+        # the step's row, past the lock wait timeout; an operator's KILL QUERY): nothing
+        # of the claim committed. Sent again it would wait again (the caller's thread was
+        # blocked five waits long, then got the raw error): busy, to be tried later.
+        logger.warning("step %s: its claim waited on a lock and was given up", step_id)
+        return StepResult("busy", error=f"its claim waited on a lock and was given up: {exc}")
     if isinstance(begun, StepResult):
         return begun
     keeper.hold(begun.token, step_id)

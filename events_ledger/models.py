@@ -19,8 +19,10 @@ from .querysets import (  # noqa: I001
     EventRunStepQuerySet,
 )
 from .states import (
+    CLEANUP_STATUSES,
     HELD,
     LIVE,
+    RUN_STATUSES,
     RUN_TERMINAL,
     STEP_KIND,
     UNRESOLVED,
@@ -59,6 +61,17 @@ class EventRun(models.Model):
         indexes = [
             models.Index(fields=["cleanup_status", "status"], name="evrun_cleanup_idx"),
             models.Index(fields=["status"], name="evrun_status_idx"),
+        ]
+        # A status that is none (a typo, "complete" for "completed") strands a run: no
+        # sweep ever looks at it. The database refuses it, whatever path writes it.
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(status__in=RUN_STATUSES), name="evrun_status_valid"
+            ),
+            models.CheckConstraint(
+                condition=models.Q(cleanup_status__in=CLEANUP_STATUSES),
+                name="evrun_cleanup_status_valid",
+            ),
         ]
         permissions = [
             ("retry_cleanup", "Can retry the cleanup of a run (resets revert attempts)"),

@@ -54,6 +54,7 @@ from .states import (
     ResourceStatus,
     RunStatus,
     StepStatus,
+    check_run_move,
 )
 
 if TYPE_CHECKING:
@@ -213,8 +214,15 @@ class EventRunQuerySet(models.QuerySet):
         return self if scope is None else self.filter(scope=scope)
 
     def transition(self, run: Any, to: str, from_: Iterable[str] | str) -> bool:
-        """Move a run's status ``from_ → to``. Exactly one concurrent caller wins."""
-        sources = [from_] if isinstance(from_, str) else list(from_)
+        """Move a run's status ``from_ → to``. Exactly one concurrent caller wins; answers
+        whether this one did (False: the run was in none of ``from_``, or is gone).
+
+        Only the moves of the state machine (``states.RUN_MOVES``): a word that is no
+        run status, or a move it does not make (a terminal status is final), raises
+        ``InvalidTransition`` before anything is written. Given an instance, it is
+        refreshed from the row the move wrote."""
+        sources = (from_,) if isinstance(from_, str) else tuple(from_)
+        check_run_move(str(to), tuple(map(str, sources)))
         values: dict[str, Any] = {"status": to, "updated_at": UtcNow()}
         if to == RunStatus.RUNNING:
             values["started_at"] = UtcNow()
@@ -222,7 +230,12 @@ class EventRunQuerySet(models.QuerySet):
             values["finished_at"] = UtcNow()
         # `status` changes in every matched row, so matched == changed even on MySQL.
         qs = self.filter(pk=_pk(run), status__in=sources).exclude(status=to)
-        return qs.update(**values) == 1
+        won = qs.update(**values) == 1
+        if won and isinstance(run, self.model):
+            run.refresh_from_db(
+                using=self.db, fields=["status", "updated_at", "started_at", "finished_at"]
+            )
+        return won
 
     def set_cleanup_status(
         self, run: Any, status: str, only_from: Iterable[str] | None = None
@@ -1528,6 +1541,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         released: bool = True,
         step_ttl: timedelta | None = None,
         ordered: bool = False,
+        token: str | None = None,
     ) -> GroupClaim:
         """Claim many rows in a bounded number of statements, one token for all of them.
 
@@ -1548,7 +1562,9 @@ class EventRunResourceQuerySet(models.QuerySet):
         decided in the same statement, so concurrent sweepers keep the order too.
         """
         ids = _pks(pks)
-        token = new_token()
+        # The caller's token when it gives one: minted before the claim is sent, it is
+        # known after a lost answer, and what the claim committed can be read back.
+        token = token or new_token()
         if not ids:
             return GroupClaim(token=token)
         # Rows the caller already read are reused, with the claim's fresh fields: reading
@@ -1617,12 +1633,17 @@ class EventRunResourceQuerySet(models.QuerySet):
                         collided.append(pk)
         return GroupClaim(token=token, rows=self._won(token, known), collided=collided)
 
-    def expire_claims(self, tokens: Sequence[str]) -> int:
+    def expire_claims(self, tokens: Sequence[str], *, uncount: bool = False) -> int:
         """Make the caller's own claims stale at once (its process knows their verdicts
         were never written), so the next claimer need not wait out the TTL. Only rows
-        still under those claims move; a claim taken over since is someone else's."""
-        return self.filter(claim_token__in=list(tokens), status=ResourceStatus.REVERTING).update(
-            updated_at=LONG_AGO
+        still under those claims move; a claim taken over since is someone else's.
+        ``uncount``: no module was called under them, so the claims are not counted
+        toward the poison limit (once only, as ``unclaim``)."""
+        rows = self.filter(claim_token__in=list(tokens), status=ResourceStatus.REVERTING)
+        if not uncount:
+            return rows.update(updated_at=LONG_AGO)
+        return rows.exclude(updated_at=LONG_AGO).update(
+            updated_at=LONG_AGO, claim_count=Greatest(F("claim_count") - 1, Value(0))
         )
 
     def refresh_claim(self, token: str) -> int:

@@ -79,3 +79,52 @@ RUN_TERMINAL = (
     RunStatus.FAILED.value,
     RunStatus.MISSED.value,
 )
+
+#: Every run status and every cleanup status, as the database's check constraints hold
+#: them (plain strings: the schema does not follow the enums).
+RUN_STATUSES = (
+    RunStatus.PENDING.value,
+    RunStatus.RUNNING.value,
+    *RUN_TERMINAL,
+)
+CLEANUP_STATUSES = (
+    CleanupStatus.NOT_REQUIRED.value,
+    CleanupStatus.PENDING.value,
+    CleanupStatus.COMPLETE.value,
+    CleanupStatus.INCOMPLETE.value,
+)
+
+#: The run's state machine: where each status may go. A pending run may start; a run
+#: that has not ended may end in any terminal status (a run with nothing to do
+#: completes; a scheduler may mark one missed after its window whatever it reached). A
+#: terminal status goes nowhere: a run that ended was cleaned up as ended, and reopened
+#: it would grow a ledger no sweep looks at while it runs.
+RUN_MOVES: dict[str, tuple[str, ...]] = {
+    RunStatus.PENDING.value: (RunStatus.RUNNING.value, *RUN_TERMINAL),
+    RunStatus.RUNNING.value: RUN_TERMINAL,
+    **{status: () for status in RUN_TERMINAL},
+}
+
+
+class InvalidTransition(ValueError):
+    """A run's status was asked to move where the state machine does not go, or to or
+    from a word that is no run status (``"complete"`` is a cleanup status, not a run's).
+    Raised before anything is written."""
+
+
+def check_run_move(to: str, sources: tuple[str, ...]) -> None:
+    """Raise ``InvalidTransition`` unless every move ``source → to`` is in ``RUN_MOVES``."""
+    words = [w for w in (to, *sources) if w not in RUN_MOVES]
+    if words:
+        raise InvalidTransition(
+            f"{', '.join(map(repr, words))} is no run status (the run statuses: "
+            f"{', '.join(RUN_STATUSES)})"
+        )
+    refused = [source for source in sources if to not in RUN_MOVES[source]]
+    if refused:
+        moves = ", ".join(f"{source} → {to}" for source in refused)
+        raise InvalidTransition(
+            f"a run does not move {moves} (a terminal status is final; from pending: "
+            f"{', '.join(RUN_MOVES['pending'])}; from running: "
+            f"{', '.join(RUN_MOVES['running'])})"
+        )

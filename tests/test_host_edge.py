@@ -604,3 +604,51 @@ def test_a_fast_claim_beside_a_cancel_in_progress_waits_for_it_and_is_refused(
     # On a419c07 PostgreSQL's claim read the run from its snapshot: running, performed.
     assert calls == [] and box["value"].outcome == "failed"
     assert EventRun.objects.get(pk=run.pk).status == "cancelled"
+
+
+# ── a claim the server gave up on is not sent into the same wait ──
+
+
+@world_db
+@pytest.mark.parametrize("path", ["fast", "general"])
+def test_a_claim_that_waited_past_the_lock_timeout_answers_busy_without_waiting_again(
+    isolated_registry, settings, vendor, path
+):  # W5: on a419c07 it was retried five waits long, then raised the driver's 1205
+    if vendor == "sqlite":
+        pytest.skip("SQLite's busy timeout is the file's, not a row's")
+    from events_ledger import db
+    from tests.helpers import PATIENCE_S, in_thread
+
+    if path == "general":
+        settings.EVENTS_LEDGER = {"FAST_PATH": False}
+    calls = _calls(isolated_registry)
+    run = new_run()
+    step = new_step(run, "t.make")
+    host = connections.create_connection("default")
+    before = dict(db.retries)
+    try:
+        host.set_autocommit(False)
+        with host.cursor() as c:  # a host's transaction holding the run's row
+            c.execute(f"UPDATE {EventRun._meta.db_table} SET name = name WHERE id = %s", [run.pk])
+
+        def execute() -> Any:
+            with connection.cursor() as c:  # a short wait, so the test is short
+                if vendor == "mysql":
+                    c.execute("SET SESSION innodb_lock_wait_timeout = 1")
+                else:
+                    c.execute("SET lock_timeout = '1s'")
+            return execute_step(step.pk)
+
+        thread, box = in_thread(execute)
+        thread.join(PATIENCE_S)
+    finally:
+        host.rollback()
+        host.close()
+    assert "error" not in box, box.get("error")
+    result = box["value"]
+    assert result.outcome == "busy" and "lock" in result.error
+    assert calls == [] and dict(db.retries) == before  # no wait was entered twice
+    step.refresh_from_db()
+    assert step.status == "pending" and step.attempts == 0
+    # The lock gone, the same step runs.
+    assert execute_step(step).outcome == "done" and calls == ["perform"]

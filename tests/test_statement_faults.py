@@ -338,6 +338,19 @@ def test_a_sweep_pass_gives_back_once_whatever_round_trip_fails(
     tally.report(figure, "a sweep pass")
 
 
+def test_a_sweep_pass_with_the_default_revert_ttl_strands_nothing_whatever_round_trip_fails(
+    proxied_db, world, settings, figure
+):  # C4, C5, R5: a claim's token is known before the claim is sent
+    # REVERT_CLAIM_TTL at its default (15 minutes): a claim whose answer was lost must be
+    # handed back by this process's next pass, not wait the TTL out (with a token minted
+    # inside the claim, nobody knew it: on a419c07 the rows stayed `reverting`, and each
+    # lost claim counted toward the poison limit).
+    settings.EVENTS_LEDGER = {"STEP_CLAIM_TTL": TTL}
+    tally = Tally()
+    _under_proxy_faults(proxied_db, tally, _pass_input, _pass_unit, _pass_check)
+    tally.report(figure, "a sweep pass (default revert TTL)")
+
+
 def test_a_sweep_pass_gives_back_once_whatever_write_the_server_fails(
     short_ttls, figure
 ):  # C4, C5, #24
