@@ -274,14 +274,18 @@ class EventRunQuerySet(models.QuerySet):
 
     def status_locked(self, run: Any) -> str | None:
         """Inside the caller's transaction: lock the run's row and answer its status now
-        (None: no such run). A step's claim decides on the run under this lock, so a run
-        cancelled meanwhile is seen cancelled (PostgreSQL re-reads the row after waiting),
-        and a cancel that comes after waits for the claim to commit, when a sweep sees
-        the step in flight. SQLite: the transaction holds the whole file already."""
-        qs = self.filter(pk=_pk(run))
+        (None: no such run, or nothing to lock). A step's claim decides on the run under
+        this lock, so a run cancelled meanwhile is seen cancelled (PostgreSQL re-reads
+        the row after waiting), and a cancel that comes after waits for the claim to
+        commit, when a sweep sees the step in flight. SQLite has one writer at a time,
+        and a transaction whose read went stale cannot write (it is retried whole), so
+        what the caller's transaction read is current already."""
         features = connections[self.db].features
-        if features.has_select_for_update:
-            qs = qs.select_for_update(no_key=features.has_select_for_no_key_update)
+        if not features.has_select_for_update:
+            return None
+        qs = self.filter(pk=_pk(run)).select_for_update(
+            no_key=features.has_select_for_no_key_update
+        )
         found = list(qs.values_list("status", flat=True))
         return found[0] if found else None
 
