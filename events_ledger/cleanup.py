@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import random
@@ -702,6 +703,26 @@ def write_verdicts_in_hand() -> int:
         )
         logger.info("wrote the verdicts of %d group(s) an earlier pass held", len(hand.lanes))
     return len(_backlog)
+
+
+def _write_in_hand_at_exit() -> None:
+    """A process that ends on its own (a task worker's ``max_tasks_per_child``, a web
+    worker's ``max_requests``, ``sys.exit``) writes the modules' answers it still holds
+    first, within the verdicts' budget: gone with it, their rows would wait out
+    ``REVERT_CLAIM_TTL`` and be given back a second time. A SIGKILL still loses them to
+    the TTL; a process's own SIGTERM handler should end it through ``sys.exit``."""
+    if not len(_backlog):
+        return
+    try:
+        held = write_verdicts_in_hand()
+    except Exception:
+        logger.exception("writing the verdicts in hand at exit failed")
+        return
+    if held:
+        logger.error("%d pass(es)' verdicts in hand could not be written before exit", held)
+
+
+atexit.register(_write_in_hand_at_exit)
 
 
 def _one_verdict_statement(lanes: list[_Lane]) -> bool:

@@ -372,6 +372,35 @@ def task_sweep_live(stop: str) -> dict[str, Any]:
 TASKS.update({"live_steps": task_live_steps, "sweep_live": task_sweep_live})
 
 
+def task_sweep_then_exit() -> dict[str, Any]:
+    """A sweeper whose verdict writes are refused (a lock held past every retry) until
+    its process exits on its own, as a task worker's ``max_tasks_per_child`` ends it."""
+    import atexit
+    import threading
+
+    from django.db import OperationalError
+
+    from events_ledger import cleanup
+    from events_ledger.cleanup import sweep
+
+    exiting = threading.Event()
+    write = cleanup._write_verdicts
+
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        if not exiting.is_set():
+            raise OperationalError(1205, "Lock wait timeout exceeded")
+        return write(*args, **kwargs)
+
+    cleanup.VERDICT_WRITE_BUDGET_S = 0.0  # type: ignore[attr-defined]
+    cleanup._write_verdicts = refusing  # type: ignore[attr-defined]
+    atexit.register(exiting.set)  # runs before the ledger's own (last in, first out)
+    report = sweep()
+    return {"errors": len(report.errors), "in_hand": len(cleanup._backlog)}
+
+
+TASKS.update({"sweep_then_exit": task_sweep_then_exit})
+
+
 def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.child_settings")
     task, args = sys.argv[1], json.loads(sys.argv[2])

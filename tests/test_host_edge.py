@@ -652,3 +652,117 @@ def test_a_claim_that_waited_past_the_lock_timeout_answers_busy_without_waiting_
     assert step.status == "pending" and step.attempts == 0
     # The lock gone, the same step runs.
     assert execute_step(step).outcome == "done" and calls == ["perform"]
+
+
+# ── verdicts in hand when a process ends gracefully ──
+
+
+def _refusing_verdict_writes(monkeypatch: Any, allowed: Any) -> None:
+    """Verdict writes refused (a lock held past every retry) until ``allowed()``."""
+    from django.db import OperationalError
+
+    from events_ledger import cleanup
+
+    write = cleanup._write_verdicts
+
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        if not allowed():
+            raise OperationalError(1205, "Lock wait timeout exceeded")
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(cleanup, "VERDICT_WRITE_BUDGET_S", 0.0)
+    monkeypatch.setattr(cleanup, "_write_verdicts", refusing)
+
+
+@world_db
+@pytest.mark.slow
+def test_a_sweeper_that_exits_on_its_own_writes_the_verdicts_it_holds(world):  # C4, rule 1
+    # On a419c07 nothing wrote them at exit: the rows waited out REVERT_CLAIM_TTL and the
+    # module was asked a second time.
+    from project.world.models import Call, Creature
+    from tests.helpers import finished_run
+    from tests.processes import finish, start
+
+    run = finished_run(2)
+    child = start("sweep_then_exit", {})
+    answer = finish(child)
+    assert child.returncode == 0 and answer == {"errors": 1, "in_hand": 1}
+    assert set(Res.filter(run=run, kind="creature").values_list("status", flat=True)) == {
+        "reverted"
+    }
+    assert Creature.objects.count() == 0
+    assert Call.objects.filter(verb="despawn").count() == 1  # asked once
+
+
+@world_db
+def test_cleanup_runs_loop_stopped_by_sigterm_writes_the_verdicts_it_holds(
+    world, monkeypatch
+):  # S1, C4: on a419c07 the loop returned and the verdicts went with the process
+    import signal
+    import threading
+
+    from django.core.management import CommandError, call_command
+
+    from events_ledger import cleanup
+    from tests.helpers import finished_run, wait_until
+
+    stopped = threading.Event()
+    main = threading.main_thread()
+    # Only the command's own last write may land: the process's writer thread stays
+    # refused, as a lock would keep refusing it until the process is gone.
+    _refusing_verdict_writes(
+        monkeypatch, lambda: stopped.is_set() and threading.current_thread() is main
+    )
+    run = finished_run(2)
+    trouble: list[BaseException] = []
+
+    def operator() -> None:
+        try:
+            wait_until(lambda: len(cleanup._backlog) == 1, "a verdict in hand")
+        except BaseException as exc:
+            trouble.append(exc)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+            stopped.set()
+
+    threading.Thread(target=operator, daemon=True).start()
+    out, err = open(os.devnull, "w"), open(os.devnull, "w")
+    code = 0
+    try:
+        call_command("cleanup_runs", "--loop", "0.1", stdout=out, stderr=err)
+    except CommandError as exc:
+        code = exc.returncode
+    assert not trouble, trouble
+    assert len(cleanup._backlog) == 0
+    assert set(Res.filter(run=run, kind="creature").values_list("status", flat=True)) == {
+        "reverted"
+    }
+    assert code == 1  # a pass could not write its verdicts at once: said, not hidden
+
+
+@world_db
+def test_cleanup_runs_run_with_verdicts_in_hand_writes_them_not_a_traceback(
+    world, monkeypatch
+):  # S1, C4: on a419c07 VerdictsInHand escaped as a traceback
+    from django.core.management import CommandError, call_command
+
+    from events_ledger import cleanup
+    from tests.helpers import finished_run
+
+    tries = {"n": 0}
+
+    def allowed() -> bool:
+        tries["n"] += 1
+        return tries["n"] > 1  # the pass's own write refused, the command's next one lands
+
+    _refusing_verdict_writes(monkeypatch, allowed)
+    run = finished_run(2)
+    out, err = open(os.devnull, "w"), open(os.devnull, "w")
+    try:
+        call_command("cleanup_runs", "--run", str(run.pk), stdout=out, stderr=err)
+        code = 0
+    except CommandError as exc:
+        code = exc.returncode
+    assert code == 0 and len(cleanup._backlog) == 0
+    run.refresh_from_db()
+    assert run.cleanup_status == "complete"

@@ -17,6 +17,7 @@ from django.utils.translation import gettext_noop
 from events_ledger.cleanup import (
     CleanupSummary,
     RunNotTerminal,
+    VerdictsInHand,
     cleanup_run,
     plan_run,
     sweep,
@@ -117,6 +118,20 @@ class Command(LedgerCommand):
                 raise self.bad_input(
                     _("%(reason)s. Finish or cancel it first.") % {"reason": exc}
                 ) from exc
+            except VerdictsInHand as exc:
+                # The modules answered; their verdicts could not be written yet: written
+                # now (within the pauses a single pass takes), never a traceback.
+                self.stderr.write(self.style.ERROR(str(exc)))
+                written = self._wrote_what_is_in_hand()
+                run.refresh_from_db()
+                done = written and run.cleanup_status != CleanupStatus.INCOMPLETE
+                return self.finish(
+                    OK if done else NEEDS_HUMAN,
+                    _("run %(id)s: its verdicts were written late; it is %(status)s.")
+                    % {"id": run.pk, "status": run.cleanup_status}
+                    if written
+                    else _("run %(id)s: its verdicts could not be written.") % {"id": run.pk},
+                )
             self._report([summary], {})
             incomplete = summary.cleanup_status == CleanupStatus.INCOMPLETE
             return self.finish(
@@ -368,4 +383,9 @@ class Command(LedgerCommand):
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        # Stopped (SIGTERM from systemd or a rollout, SIGINT): the modules' answers this
+        # process holds are written before it goes, as after a single pass; gone with
+        # it, their rows would wait out REVERT_CLAIM_TTL and be given back again.
+        if not self._wrote_what_is_in_hand():
+            status = NEEDS_HUMAN
         return status
