@@ -757,9 +757,12 @@ def _persistently(fn: Callable[[], T], *, atomic: bool = True) -> T:
         except DatabaseError as exc:
             spent = time.monotonic() - started > VERDICT_WRITE_BUDGET_S
             last = attempt == VERDICT_WRITE_TRIES - 1 or spent
-            # A lock wait that timed out is retried here too, after a pause and within
-            # the budget: a verdict in hand must be written (it is fenced by its claim).
-            if last or not (is_deadlock(exc) or is_held(exc) or drop_if_dead(exc)):
+            # A dead connection is dropped first, on the last try too (left open, the
+            # thread's next statement failed "gone away"). A lock wait that timed out is
+            # retried here too, after a pause and within the budget: a verdict in hand
+            # must be written (it is fenced by its claim).
+            dropped = drop_if_dead(exc)
+            if last or not (is_deadlock(exc) or is_held(exc) or dropped):
                 raise
             db_retries["verdicts"] += 1
             time.sleep(min(2.0, 0.01 * 2**attempt) * random.uniform(0.5, 1.5))

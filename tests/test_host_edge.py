@@ -766,3 +766,25 @@ def test_cleanup_runs_run_with_verdicts_in_hand_writes_them_not_a_traceback(
     assert code == 0 and len(cleanup._backlog) == 0
     run.refresh_from_db()
     assert run.cleanup_status == "complete"
+
+
+@world_db
+def test_the_last_verdict_try_drops_a_dead_connection(world, monkeypatch):  # C4, #24
+    # On a419c07 the last try raised before it looked: the thread's next statement then
+    # failed on the dead connection.
+    from django.db import OperationalError
+
+    from events_ledger import cleanup
+    from tests.helpers import finished_run
+
+    def lost(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError(2013, "Lost connection to server during query")
+
+    monkeypatch.setattr(cleanup, "VERDICT_WRITE_TRIES", 1)
+    monkeypatch.setattr(cleanup, "_write_verdicts", lost)
+    finished_run(1)
+    connection.ensure_connection()
+    before = connection.connection
+    with pytest.raises(OperationalError):
+        cleanup._persistently(lambda: cleanup._write_verdicts())
+    assert connection.connection is None and before is not None
