@@ -41,6 +41,7 @@ _EXPORTS = {
     # #14: running a run
     "run_steps": "runner",
     "RunReport": "runner",
+    "end_run": "runner",
 }
 
 

@@ -30,7 +30,16 @@ from .dashboard import DATETIME_FORMAT, TIME_FORMAT, run_timeline, when
 from .diagnosis import claim_stamp, diagnose
 from .models import EventRun, EventRunResource, EventRunStep
 from .querysets import EventRunQuerySet, EventRunResourceQuerySet
-from .states import STEP_KIND, UNRESOLVED, CleanupStatus, ResourceStatus, status_label
+from .runner import end_run
+from .states import (
+    RUN_TERMINAL,
+    STEP_KIND,
+    UNRESOLVED,
+    CleanupStatus,
+    ResourceStatus,
+    RunStatus,
+    status_label,
+)
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise
@@ -134,6 +143,9 @@ class LedgerAdmin(admin.ModelAdmin):
     def has_reconcile_resources_permission(self, request: HttpRequest) -> bool:
         return self._has_app_perm(request, "reconcile_resources")
 
+    def has_end_run_permission(self, request: HttpRequest) -> bool:
+        return self._has_app_perm(request, "end_run")
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # runs are made by automation, rows by the ledger
 
@@ -227,7 +239,7 @@ class EventRunAdmin(LedgerAdmin):
     ordering = ("-id",)
     # No foreign keys to join: the one per-row number comes from the annotation.
     list_select_related = False
-    actions = ["retry_cleanup"]
+    actions = ["retry_cleanup", "end_runs"]
     fields = (
         ("name", "scope"),
         ("status_pill", "cleanup_pill", "unresolved"),
@@ -478,6 +490,61 @@ class EventRunAdmin(LedgerAdmin):
             },
         )
         return summary
+
+    # ── an operator ends a run that will not end by itself ──
+
+    @admin.action(permissions=["end_run"], description=gettext_lazy("End the selected runs"))
+    def end_runs(self, request: HttpRequest, queryset: QuerySet[EventRun]) -> HttpResponse | None:
+        """A confirmation page (the terminal status, a reason), then ``end_run`` for each
+        run, written to the run's log and the admin's history."""
+        runs = list(queryset.order_by("pk"))
+        status = request.POST.get("status", RunStatus.FAILED)
+        reason = request.POST.get("reason", "").strip()
+        if request.POST.get("post") and status in RUN_TERMINAL and reason:
+            for run in runs:
+                self._end_one(request, run, status, reason)
+            return None
+        if request.POST.get("post"):
+            self.message_user(
+                request, _("Give a terminal status and a reason to end a run."), messages.ERROR
+            )
+        context = {
+            **self.admin_site.each_context(request),
+            "title": _("End runs"),
+            "subtitle": None,
+            "opts": self.opts,
+            "runs": runs,
+            "statuses": RUN_TERMINAL,
+            "status": status,
+            "reason": reason,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "media": self.media,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, "events_ledger/admin/end_run_confirmation.html", context)
+
+    def _end_one(self, request: HttpRequest, run: EventRun, status: str, reason: str) -> None:
+        actor = request.user.get_username()
+        if not end_run(run, status, actor=actor, reason=reason):
+            run.refresh_from_db()
+            self.message_user(
+                request,
+                _("run %(id)s had ended already (%(status)s): left as it is")
+                % {"id": run.pk, "status": run.status},
+                messages.WARNING,
+            )
+            return
+        self.log_change(
+            request,
+            run,
+            _("Ended by hand: %(status)s (%(reason)s)") % {"status": status, "reason": reason},
+        )
+        self.message_user(
+            request,
+            _("run %(id)s %(name)s ended: %(status)s; the next sweep gives its ledger back")
+            % {"id": run.pk, "name": run.name, "status": status},
+            messages.SUCCESS,
+        )
 
     # ── POST /admin/events_ledger/eventrun/<id>/cleanup/ ──
 

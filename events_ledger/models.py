@@ -76,6 +76,7 @@ class EventRun(models.Model):
         permissions = [
             ("retry_cleanup", "Can retry the cleanup of a run (resets revert attempts)"),
             ("reconcile_resources", "Can reconcile a module's resources with its world"),
+            ("end_run", "Can end a run that will not end by itself"),
         ]
 
     def __str__(self) -> str:

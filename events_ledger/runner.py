@@ -7,10 +7,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .db import refuse_callers_transaction, storable_json
+from django.db import transaction
+
+from .db import refuse_callers_transaction, storable, storable_json
 from .ledger import StepResult, execute_step
 from .models import EventRun, EventRunLog, EventRunStep
-from .states import RUN_TERMINAL, RunStatus, StepStatus
+from .states import RUN_TERMINAL, InvalidTransition, RunStatus, StepStatus
 
 logger = logging.getLogger("events_ledger")
 
@@ -153,3 +155,38 @@ def _end(
             logger.exception("run %s: writing its log entry failed", run_id)
         return RunReport(run_id, to.value, to.value, tuple(done), error)
     return RunReport(run_id, "ended", _status(run_id), tuple(done), error)
+
+
+#: The longest reason an operator's end of a run keeps on its log.
+MAX_REASON = 500
+
+
+def end_run(
+    run: EventRun | int, status: str = RunStatus.FAILED, *, actor: str, reason: str
+) -> bool:
+    """An operator ends a run that will not end by itself (its worker died, its driver
+    never came back, a call outlived every budget): ``pending|running → status`` (a
+    terminal status) in one conditional UPDATE, with who and why on the run's log in the
+    same transaction, so the next sweep gives its ledger back (and waits for a step still
+    in flight). Answers whether this call ended it: False when it had ended already.
+
+    Raises ``InvalidTransition`` for a status that is not terminal, and ``ValueError``
+    without a reason: an end by hand is read later by someone who was not there."""
+    if status not in RUN_TERMINAL:
+        raise InvalidTransition(
+            f"{status!r} does not end a run (a run ends {', '.join(RUN_TERMINAL)})"
+        )
+    reason = storable(reason).strip()[:MAX_REASON]
+    if not reason:
+        raise ValueError("ending a run by hand needs a reason")
+    with transaction.atomic():
+        ended = EventRun.objects.transition(
+            run, status, from_=(RunStatus.PENDING, RunStatus.RUNNING)
+        )
+        if ended:
+            EventRunLog.objects.write(
+                getattr(run, "pk", run),
+                "run.ended_by_hand",
+                storable_json({"status": status, "by": actor, "reason": reason}),
+            )
+    return ended

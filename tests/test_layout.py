@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "management.commands.ledger_status",
             "management.commands.reconcile_resources",
             "management.commands.prune_ledger",
+            "management.commands.end_run",
         },
     ),
     ("start-up and the public face", {"apps", "__init__"}),

@@ -54,3 +54,87 @@ def test_the_database_refuses_a_status_that_is_none():  # R, #35: whatever path 
     with pytest.raises(IntegrityError), transaction.atomic():
         EventRun.objects.filter(pk=run.pk).update(cleanup_status="done")
     assert EventRun.objects.get(pk=run.pk).status == "running"
+
+
+# ── an operator ends a stuck run ──
+
+
+@pytest.mark.django_db(transaction=True)
+def test_end_run_ends_a_stuck_run_with_who_and_why_and_the_sweep_gives_it_back(
+    isolated_registry,
+):  # R, C5, #35: on a419c07 the only way was ORM code in a shell
+    from events_ledger import end_run, sweep
+    from events_ledger.ledger import execute_step
+    from tests.helpers import ledger_action, new_step
+
+    ledger_action(
+        isolated_registry,
+        perform=lambda **_: {"ok": True, "resources": [{"kind": "thing", "ref": "a"}]},
+    )
+    run = new_run(status="running")
+    assert execute_step(new_step(run, "t.make")).outcome == "done"
+    with pytest.raises(ValueError, match="reason"):
+        end_run(run, actor="op", reason="  ")
+    with pytest.raises(InvalidTransition):
+        end_run(run, "running", actor="op", reason="stuck")
+    assert end_run(run, "cancelled", actor="op", reason="its worker died")
+    assert run.status == "cancelled"
+    entry = run.log.get(kind="run.ended_by_hand")
+    assert entry.detail == {"status": "cancelled", "by": "op", "reason": "its worker died"}
+    assert not end_run(run, actor="op", reason="again")  # ended already: nothing done
+    sweep()
+    run.refresh_from_db()
+    assert run.cleanup_status == "complete"
+
+
+def test_the_end_run_command(isolated_registry):  # S1, #35: exit statuses and JSON
+    import json
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    def command(*args: str) -> tuple[int, str, str]:
+        out, err = StringIO(), StringIO()
+        try:
+            call_command("end_run", *args, stdout=out, stderr=err)
+            return 0, out.getvalue(), err.getvalue()
+        except CommandError as exc:
+            return exc.returncode, out.getvalue(), str(exc)
+
+    run = new_run(status="running")
+    code, _, err = command("987654", "--reason", "x")
+    assert code == 2 and "no run 987654" in err
+    code, _, err = command(str(run.pk), "--reason", " ")
+    assert code == 2 and "reason" in err
+    code, out, _ = command(str(run.pk), "--reason", "driver gone", "--actor", "ops", "--json")
+    assert code == 0 and json.loads(out) == {"run": run.pk, "status": "failed", "by": "ops"}
+    code, _, err = command(str(run.pk), "--reason", "again")
+    assert code == 2 and "ended already (failed)" in err
+
+
+def test_the_consoles_end_action_needs_its_permission_and_a_reason(isolated_registry):  # S3
+    from django.contrib.admin.models import LogEntry
+    from django.contrib.auth.models import Permission, User
+    from django.test import Client
+    from django.urls import reverse
+
+    url = reverse("admin:events_ledger_eventrun_changelist")
+    run = new_run(status="running")
+    viewer = User.objects.create_user("viewer", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_eventrun"))
+    client = Client()
+    client.force_login(viewer)
+    data = {"action": "end_runs", "_selected_action": [run.pk]}
+    form = client.get(url).context["action_form"]  # None: no action is theirs at all
+    assert form is None or "end_runs" not in [n for n, _ in form.fields["action"].choices]
+    client.post(url, {**data, "post": "yes", "status": "failed", "reason": "x"})
+    assert EventRun.objects.get(pk=run.pk).status == "running"
+    viewer.user_permissions.add(Permission.objects.get(codename="end_run"))
+    page = client.post(url, {**data, "index": 0})
+    assert page.status_code == 200 and "Yes, end them" in page.content.decode()
+    client.post(url, {**data, "post": "yes", "status": "failed", "reason": ""})
+    assert EventRun.objects.get(pk=run.pk).status == "running"  # no reason, no end
+    client.post(url, {**data, "post": "yes", "status": "cancelled", "reason": "worker died"})
+    assert EventRun.objects.get(pk=run.pk).status == "cancelled"
+    assert run.log.get(kind="run.ended_by_hand").detail["by"] == "viewer"
+    assert LogEntry.objects.filter(object_id=str(run.pk), change_message__contains="worker died")
