@@ -567,14 +567,14 @@ def test_an_anonymous_health_probe_gets_the_verdict_only(settings):  # #25: heal
     ResourceFactory(run=stuck, owner_module="secret-module", revert_attempts=3)
 
     def ledger(client: Client, **headers: str) -> tuple[int, str]:
-        response = client.get("/health/", HTTP_ACCEPT="application/json", **headers)
-        return response.status_code, response.json()["LedgerHealthCheck()"]
+        response = client.get("/health/ledger/", HTTP_ACCEPT="application/json", **headers)
+        return response.status_code, response.json()["LedgerNeedsHumanCheck()"]
 
     status, text = ledger(Client())
     assert status == 500 and "needs a human" in text
     assert f"run {stuck.pk}" not in text and "secret-module" not in text
     for fmt in ("text/plain", "text/html"):  # every rendering of the view
-        body = Client().get("/health/", HTTP_ACCEPT=fmt).content.decode()
+        body = Client().get("/health/ledger/", HTTP_ACCEPT=fmt).content.decode()
         assert f"(run {stuck.pk})" not in body and "needs a human" in body
     staff = Client()
     staff.force_login(operator("staff", may_view=False))  # staff, not allowed to view runs
@@ -593,16 +593,16 @@ def test_the_health_check_through_django_health_checks_view(settings):  # #15: h
     client.force_login(operator("ops"))  # #25: details for staff who may view runs
 
     def health() -> tuple[int, dict]:
-        response = client.get("/health/", HTTP_ACCEPT="application/json")
+        response = client.get("/health/ledger/", HTTP_ACCEPT="application/json")
         return response.status_code, response.json()
 
     ResourceFactory(run=RunFactory(status="running"))  # young, owed later: healthy
-    assert health() == (200, {"Database(alias='default')": "OK", "LedgerHealthCheck()": "OK"})
+    assert health() == (200, {"LedgerNeedsHumanCheck()": "OK"})
 
     stuck = RunFactory(status="completed", cleanup_status="incomplete")
     status, body = health()
     assert status == 500
-    assert f"1 run(s) incomplete (run {stuck.pk})" in body["LedgerHealthCheck()"]
+    assert f"1 run(s) incomplete (run {stuck.pk})" in body["LedgerNeedsHumanCheck()"]
 
     EventRun.objects.filter(pk=stuck.pk).update(cleanup_status="complete")
     assert health()[0] == 200
@@ -612,8 +612,29 @@ def test_the_health_check_through_django_health_checks_view(settings):  # #15: h
     assert status == 500
     assert (
         "older than HEALTH_MAX_UNRESOLVED_AGE (1m 0s); module(s): test"
-        in body["LedgerHealthCheck()"]
+        in body["LedgerNeedsHumanCheck()"]
     )
+
+
+@pytest.mark.django_db
+def test_a_run_that_needs_a_human_never_takes_a_node_out_of_rotation():  # #15, #25
+    # On a419c07 /health/ answered 500 for any incomplete run: every web node out of a
+    # load balancer's rotation. Its anonymous probe cost one query of the ledger.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    RunFactory(status="completed", cleanup_status="incomplete")
+    with CaptureQueriesContext(connection) as read:
+        response = Client().get("/health/", HTTP_ACCEPT="application/json")
+    assert response.status_code == 200
+    assert response.json() == {"Database(alias='default')": "OK", "LedgerHealthCheck()": "OK"}
+    ledger = [q for q in read.captured_queries if "events_ledger" in q["sql"]]
+    assert len(ledger) == 1
+    # The alert's endpoint says so; a flood of anonymous probes reuses one verdict.
+    assert Client().get("/health/ledger/").status_code == 500
+    with CaptureQueriesContext(connection) as again:
+        assert Client().get("/health/ledger/").status_code == 500
+    assert not [q for q in again.captured_queries if "events_ledger" in q["sql"]]
 
 
 @pytest.mark.django_db
