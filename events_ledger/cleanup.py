@@ -204,13 +204,10 @@ def _groups_for(runs: Sequence[EventRun], human: bool) -> list[Group]:
     step_ttl = ledger_settings.STEP_CLAIM_TTL
     rows, steps = Res.unresolved_rows_of(runs, step_ttl)
 
-    def spent(row: EventRunResource) -> bool:
-        return row.revert_attempts >= max_attempts or row.claim_count >= max_claims
-
-    retryable = rows if human else [r for r in rows if not spent(r)]
+    retryable = rows if human else [r for r in rows if not r.is_spent(max_attempts, max_claims)]
     groups = group_rows(retryable, step_ttl, steps)
     if ledger_settings.GIVE_BACK_IN_ORDER:
-        _mark_behind(groups, rows, spent)
+        _mark_behind(groups, rows, lambda row: row.is_spent(max_attempts, max_claims))
     cap = ledger_settings.CLEANUP_GROUPS_PER_RUN
     taken: dict[int, int] = {}
     out = []
@@ -1204,6 +1201,26 @@ def sweep(
     return report
 
 
+def scan(limit: int | None = None, *, scope: str | None = None) -> list[EventRun]:
+    """The runs a sweep pass takes, in the order it takes them (C5): terminal runs that
+    owe something, those with something to give back now first, none another sweeper is
+    working. One scan for the pass and for ``cleanup_runs --dry-run``, so the dry run
+    lists the batch the pass would take (it scanned without the pass's bounds, and
+    listed another)."""
+    batch = limit or ledger_settings.CLEANUP_RUN_BATCH
+    return retrying_deadlocks(
+        lambda: EventRun.objects.needing_cleanup(
+            batch,
+            ledger_settings.MAX_REVERT_ATTEMPTS,
+            ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
+            step_ttl=ledger_settings.STEP_CLAIM_TTL,
+            ordered=ledger_settings.GIVE_BACK_IN_ORDER,
+            scope=scope,
+            claim_ttl=ledger_settings.REVERT_CLAIM_TTL,
+        )
+    )
+
+
 def _sweep(
     scope: str | None, limit: int | None, should_stop: Callable[[], bool] | None
 ) -> SweepReport:
@@ -1226,17 +1243,7 @@ def _sweep(
     else:
         report.repair_skipped = True
     batch = limit or ledger_settings.CLEANUP_RUN_BATCH
-    runs = retrying_deadlocks(
-        lambda: candidates.needing_cleanup(
-            batch,
-            max_attempts,
-            max_claims,
-            step_ttl=ledger_settings.STEP_CLAIM_TTL,
-            ordered=ledger_settings.GIVE_BACK_IN_ORDER,
-            scope=scope,
-            claim_ttl=ledger_settings.REVERT_CLAIM_TTL,
-        )
-    )
+    runs = scan(batch, scope=scope)
     _repair_pace.scanned(scope, full=len(runs) >= batch)
     runs = [run for run in runs if run.status in EventRun.TERMINAL]
     if not runs or (should_stop is not None and should_stop()):

@@ -278,6 +278,7 @@ def run_timeline(
     )
     edge = last if ended else now
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
+    max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
 
     def step_end(s: EventRunStep) -> tuple[datetime, bool]:
         done = s.status in (StepStatus.DONE, StepStatus.FAILED, StepStatus.REFUSED)
@@ -292,10 +293,10 @@ def run_timeline(
         return (edge if held else r.updated_at), held
 
     def row_status(r: EventRunResource) -> str:
-        # #25: a row the sweep has given up on (attempts spent, or its run incomplete) is
-        # stuck: red, not the amber of a row simply held.
+        # #25: a row the sweep has given up on (attempts or claims spent, or its run
+        # incomplete) is stuck: red, not the amber of a row simply held.
         stuck = r.status in UNRESOLVED and (
-            r.revert_attempts >= max_attempts or run.cleanup_status == CleanupStatus.INCOMPLETE
+            r.is_spent(max_attempts, max_claims) or run.cleanup_status == CleanupStatus.INCOMPLETE
         )
         return "stuck" if stuck else r.status
 

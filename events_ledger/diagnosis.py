@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.utils import timezone
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop, ngettext
 
@@ -119,7 +118,11 @@ def diagnose(row: EventRunResource) -> Diagnosis:
     unresolved = row.status in UNRESOLVED
     group, plan = find_group(row) if unresolved else (None, [])
     since = claim_stamp(row)
-    stale = since is not None and timezone.now() - since > ledger_settings.REVERT_CLAIM_TTL
+    # Decided by the database's clock, which stamped the claim (one clock: a web host
+    # whose clock is ahead called a fresh claim stale).
+    stale = since is not None and EventRunResource.objects.claim_is_stale(
+        row, ledger_settings.REVERT_CLAIM_TTL
+    )
     if not unresolved:
         note = _("Nothing: this row is %(status)s, its target is released.") % {
             "status": row.status

@@ -221,6 +221,12 @@ class EventRunResource(models.Model):
     def is_placeholder(self) -> bool:
         return self.kind == STEP_KIND
 
+    def is_spent(self, max_attempts: int, max_claims: int) -> bool:
+        """Rule 2's bound, for a row in hand: its automatic tries are used up (attempts,
+        or claims with no verdict: its revert kills or hangs the sweeper). The SQL's
+        twin is ``EventRunResourceQuerySet.retryable``."""
+        return self.revert_attempts >= max_attempts or self.claim_count >= max_claims
+
 
 class EventRunLog(models.Model):
     run = models.ForeignKey(EventRun, on_delete=models.CASCADE, related_name="log")

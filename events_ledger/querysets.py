@@ -1089,6 +1089,11 @@ class EventRunResourceQuerySet(models.QuerySet):
     def _stale_claim(self, ttl: timedelta) -> Q:
         return Q(status=ResourceStatus.REVERTING, updated_at__lt=UtcNow() - ttl)
 
+    def claim_is_stale(self, row: Any, ttl: timedelta) -> bool:
+        """Whether the row is ``reverting`` under a claim older than ``ttl``, by the
+        database's clock, the one that stamped it (a web host's clock may differ)."""
+        return self.filter(self._stale_claim(ttl), pk=_pk(row)).exists()
+
     # ── R1 ──
 
     def reserve(

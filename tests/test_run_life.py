@@ -138,3 +138,73 @@ def test_the_consoles_end_action_needs_its_permission_and_a_reason(isolated_regi
     assert EventRun.objects.get(pk=run.pk).status == "cancelled"
     assert run.log.get(kind="run.ended_by_hand").detail["by"] == "viewer"
     assert LogEntry.objects.filter(object_id=str(run.pk), change_message__contains="worker died")
+
+
+def test_a_row_failed_for_good_by_the_poison_limit_is_drawn_stuck():  # rule 2, #25
+    # On a419c07 the timeline read only the attempts: a row whose claims were spent (its
+    # revert kills or hangs every sweeper) was drawn amber, held, not red, stuck.
+    from events_ledger.conf import ledger_settings
+    from events_ledger.dashboard import run_timeline
+    from tests.factories import ResourceFactory, RunFactory
+
+    run = RunFactory(status="cancelled", cleanup_status="pending")
+    row = ResourceFactory(
+        run=run,
+        kind="creature",
+        ref="wolf-1",
+        status="confirmed",
+        claim_count=ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
+    )
+    held = ResourceFactory(run=run, kind="creature", ref="wolf-2", status="confirmed")
+    lanes = {lane.label: lane.status for lane in run_timeline(run, [], [row, held]).lanes}
+    assert [s for label, s in lanes.items() if "wolf-1" in label] == ["stuck"]
+    assert [s for label, s in lanes.items() if "wolf-2" in label] == ["confirmed"]
+
+
+def test_why_is_this_stuck_reads_a_claims_age_by_the_databases_clock(monkeypatch, settings):
+    # One clock (SPEC): on a419c07 the diagnosis compared the database's stamp with the
+    # web host's clock, so a host whose clock ran ahead called a fresh claim stale.
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from events_ledger.db import UtcNow
+    from events_ledger.diagnosis import diagnose
+    from events_ledger.models import EventRunResource
+    from tests.factories import ResourceFactory, RunFactory
+
+    settings.EVENTS_LEDGER = {"REVERT_CLAIM_TTL": timedelta(minutes=10)}
+    run = RunFactory(status="cancelled", cleanup_status="pending")
+    row = ResourceFactory(run=run, status="reverting")
+    EventRunResource.objects.filter(pk=row.pk).update(updated_at=UtcNow() - timedelta(minutes=5))
+    row.refresh_from_db()
+    real_now = timezone.now
+    monkeypatch.setattr(timezone, "now", lambda: real_now() + timedelta(hours=1))
+    assert diagnose(row).claim_stale is False
+    EventRunResource.objects.filter(pk=row.pk).update(updated_at=UtcNow() - timedelta(minutes=20))
+    row.refresh_from_db()
+    assert diagnose(row).claim_stale is True
+
+
+def test_the_dry_run_lists_the_batch_the_pass_would_take(settings, isolated_registry):  # S1
+    # On a419c07 the dry run scanned without the pass's bounds: it listed a run whose
+    # rows another sweeper is working (a fresh claim), which the pass passes over.
+    import json
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    from events_ledger.cleanup import scan
+    from tests.factories import ResourceFactory, RunFactory
+    from tests.helpers import ledger_action
+
+    ledger_action(isolated_registry)
+    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 1}
+    worked = RunFactory(status="cancelled", cleanup_status="pending")
+    ResourceFactory(run=worked, owner_module="t", status="reverting")  # claimed just now
+    owing = RunFactory(status="cancelled", cleanup_status="pending")
+    ResourceFactory(run=owing, owner_module="t", status="confirmed")
+    assert [r.pk for r in scan()] == [owing.pk]
+    out = StringIO()
+    call_command("cleanup_runs", "--dry-run", "--json", stdout=out)
+    assert list(json.loads(out.getvalue())["runs"]) == [str(owing.pk)]

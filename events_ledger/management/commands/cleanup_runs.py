@@ -20,6 +20,7 @@ from events_ledger.cleanup import (
     VerdictsInHand,
     cleanup_run,
     plan_run,
+    scan,
     sweep,
     write_verdicts_in_hand,
 )
@@ -303,19 +304,8 @@ class Command(LedgerCommand):
     # ── dry run ──
 
     def _dry_run(self, run: EventRun | None, human: bool) -> int:
-        if run is not None:
-            runs = [run]
-        else:
-            runs = (
-                EventRun.objects.all()
-                .in_scope(self.scope)
-                .needing_cleanup(
-                    ledger_settings.CLEANUP_RUN_BATCH,
-                    ledger_settings.MAX_REVERT_ATTEMPTS,
-                    ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
-                    ordered=ledger_settings.GIVE_BACK_IN_ORDER,
-                )
-            )
+        # The batch the pass would take: the same scan, with the same bounds.
+        runs = [run] if run is not None else scan(scope=self.scope)
         plans = {r.pk: plan_run(r, reset_attempts=human) for r in runs}
         if self.as_json:
             self.emit_json(
