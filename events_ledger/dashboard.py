@@ -197,7 +197,7 @@ def overview(status: LedgerStatus) -> Overview:
                 "pending",
                 _("Cleanup pending"),
                 status.cleanup_pending,
-                "cleanup_status__exact=pending",
+                "cleanup_status__exact=pending&status__in=completed,cancelled,failed,missed",
             ),
             (
                 "incomplete",

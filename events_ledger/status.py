@@ -91,9 +91,14 @@ class LedgerStatus:
 
     @property
     def cleanup_pending(self) -> int:
-        """Runs whose cleanup is ``pending`` (finished: the sweep's backlog; or still
-        running with something recorded)."""
-        return sum(n for (c, _), n in self.runs.items() if c == CleanupStatus.PENDING)
+        """Finished runs whose cleanup is ``pending``: the sweep's backlog. A run still
+        going that recorded something is ``pending`` too, but it is in flight, not owed
+        yet (counted twice, one running run read as a backlog)."""
+        return sum(
+            n
+            for (c, status), n in self.runs.items()
+            if c == CleanupStatus.PENDING and status not in IN_FLIGHT
+        )
 
     @property
     def incomplete_runs(self) -> int:

@@ -208,3 +208,51 @@ def test_the_dry_run_lists_the_batch_the_pass_would_take(settings, isolated_regi
     out = StringIO()
     call_command("cleanup_runs", "--dry-run", "--json", stdout=out)
     assert list(json.loads(out.getvalue())["runs"]) == [str(owing.pk)]
+
+
+def test_cleanup_pending_counts_the_sweeps_backlog_not_runs_still_going(admin_client):  # #15
+    # On a419c07 one running run that had recorded something read "in flight 1 · cleanup
+    # pending 1": a backlog that was not there.
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+    from django.urls import reverse
+
+    from events_ledger.status import snapshot
+    from tests.factories import ResourceFactory, RunFactory
+
+    going = RunFactory(status="running", cleanup_status="pending")
+    ResourceFactory(run=going, status="confirmed")
+    status = snapshot()
+    assert (status.runs_in_flight, status.cleanup_pending) == (1, 0)
+    out = StringIO()
+    try:
+        call_command("ledger_status", stdout=out)
+    except CommandError:
+        pass
+    assert "runs: in flight 1 · cleanup pending 0" in out.getvalue()
+    ended = RunFactory(status="cancelled", cleanup_status="pending")
+    ResourceFactory(run=ended, status="confirmed")
+    assert snapshot().cleanup_pending == 1
+    page = admin_client.get(reverse("admin:app_list", args=["events_ledger"]))
+    html = page.content.decode()
+    link = "cleanup_status__exact=pending&amp;status__in=completed,cancelled,failed,missed"
+    assert link in html
+    listing = admin_client.get(
+        reverse("admin:events_ledger_eventrun_changelist")
+        + "?cleanup_status__exact=pending&status__in=completed,cancelled,failed,missed"
+    )
+    assert [r.pk for r in listing.context["cl"].result_list] == [ended.pk]
+
+
+def test_the_dashboard_links_each_run_that_needs_a_human(admin_client):  # #15, S3
+    # On a419c07 "Needs a human" named them as text ("(run 7)"), without a name or a link.
+    from django.urls import reverse
+
+    from tests.factories import RunFactory
+
+    stuck = RunFactory(status="failed", cleanup_status="incomplete", name="Full moon")
+    html = admin_client.get(reverse("admin:app_list", args=["events_ledger"])).content.decode()
+    block = html[html.index('id="el-needs-a-human"') :]
+    url = reverse("admin:events_ledger_eventrun_change", args=[stuck.pk])
+    assert f'<a href="{url}">run {stuck.pk} Full moon</a>' in block
