@@ -256,3 +256,25 @@ def test_the_dashboard_links_each_run_that_needs_a_human(admin_client):  # #15, 
     block = html[html.index('id="el-needs-a-human"') :]
     url = reverse("admin:events_ledger_eventrun_change", args=[stuck.pk])
     assert f'<a href="{url}">run {stuck.pk} Full moon</a>' in block
+
+
+def test_the_dry_run_refuses_what_the_command_refuses_and_says_why_it_plans_nothing():  # S1
+    # On a419c07: a running run's dry run listed a plan the command then refused (exit
+    # 2); an incomplete run's said "nothing would be given back" without why.
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    from tests.factories import ResourceFactory, RunFactory
+
+    going = RunFactory(status="running", cleanup_status="pending")
+    ResourceFactory(run=going, status="confirmed")
+    for args in (["--dry-run"], []):
+        with pytest.raises(CommandError, match="is running") as refused:
+            call_command("cleanup_runs", "--run", str(going.pk), *args, stdout=StringIO())
+        assert refused.value.returncode == 2 and "end_run" in str(refused.value)
+    stuck = RunFactory(status="failed", cleanup_status="incomplete")
+    ResourceFactory(run=stuck, status="confirmed", revert_attempts=3)
+    out = StringIO()
+    call_command("cleanup_runs", "--run", str(stuck.pk), "--dry-run", stdout=out)
+    assert "is incomplete" in out.getvalue() and "--reset-attempts --dry-run" in out.getvalue()

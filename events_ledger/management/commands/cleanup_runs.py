@@ -116,9 +116,7 @@ class Command(LedgerCommand):
                     actor=actor if opts["reset_attempts"] else None,
                 )
             except RunNotTerminal as exc:
-                raise self.bad_input(
-                    _("%(reason)s. Finish or cancel it first.") % {"reason": exc}
-                ) from exc
+                raise self._not_terminal(exc) from exc
             except VerdictsInHand as exc:
                 # The modules answered; their verdicts could not be written yet: written
                 # now (within the pauses a single pass takes), never a traceback.
@@ -303,7 +301,21 @@ class Command(LedgerCommand):
 
     # ── dry run ──
 
+    def _not_terminal(self, exc: Exception) -> Exception:
+        return self.bad_input(
+            _(
+                "%(reason)s. Finish or cancel it first (manage.py end_run ID --reason TEXT "
+                "ends a run that will not end by itself)."
+            )
+            % {"reason": exc}
+        )
+
     def _dry_run(self, run: EventRun | None, human: bool) -> int:
+        if run is not None and not run.is_terminal:
+            # Refused as the real command refuses it: a plan it would not carry out misleads.
+            raise self._not_terminal(
+                RunNotTerminal(f"run {run.pk} is {run.status}: only a finished run is cleaned up")
+            )
         # The batch the pass would take: the same scan, with the same bounds.
         runs = [run] if run is not None else scan(scope=self.scope)
         plans = {r.pk: plan_run(r, reset_attempts=human) for r in runs}
@@ -316,7 +328,17 @@ class Command(LedgerCommand):
             )
             return OK
         if not any(plans.values()):
-            self.stdout.write(_("nothing would be given back"))
+            if run is not None and not human and run.cleanup_status == CleanupStatus.INCOMPLETE:
+                self.stdout.write(
+                    _(
+                        "nothing would be given back: run %(id)s is incomplete (its rows' "
+                        "automatic tries are spent); --reset-attempts --dry-run shows the "
+                        "human retry's plan"
+                    )
+                    % {"id": run.pk}
+                )
+            else:
+                self.stdout.write(_("nothing would be given back"))
         for pk, groups in plans.items():
             run = next(r for r in runs if r.pk == pk)
             if not groups:
