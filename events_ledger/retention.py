@@ -31,6 +31,8 @@ from .states import RUN_TERMINAL, UNRESOLVED, CleanupStatus, ResourceStatus, Ste
 DEFAULT_BATCH = 200
 #: The most runs a batch may hold: its id lists stay under every backend's bind limit.
 MAX_BATCH = 2000
+#: How many runs a dry run names (the figures count them all).
+NAMED = 100
 #: The one archive format this module writes and reads.
 ARCHIVE_VERSION = 1
 #: Tables are counted exactly below this many rows, and estimated from the database's
@@ -133,8 +135,12 @@ class History:
         index). An unresolved row or a running step is never deleted; one left behind
         makes the run's own DELETE fail on its foreign key, so the database itself
         refuses to drop a run that owes something."""
+        return {name: qs._raw_delete(self.using) for name, qs in self._going(ids).items()}
+
+    def _going(self, ids: Sequence[int]) -> dict[str, Any]:
+        """What a prune of ``ids`` removes, table by table (children first)."""
         ids = list(ids)
-        counts = {
+        return {
             "log": EventRunLog.objects.using(self.using).filter(run_id__in=ids),
             "resources": EventRunResource.objects.using(self.using).filter(
                 run_id__in=ids, status=ResourceStatus.REVERTED
@@ -144,7 +150,10 @@ class History:
             .exclude(status=StepStatus.RUNNING),
             "runs": EventRun.objects.using(self.using).filter(pk__in=ids),
         }
-        return {name: qs._raw_delete(self.using) for name, qs in counts.items()}
+
+    def count(self, ids: Sequence[int]) -> dict[str, int]:
+        """What ``delete`` would remove now, counted (a dry run's figures)."""
+        return {name: qs.count() for name, qs in self._going(ids).items()}
 
     def any_left(self, ids: Sequence[int]) -> bool:
         """Whether any run of ``ids`` is still in the table (one read of the primary key)."""
@@ -505,6 +514,8 @@ class PruneReport:
     batches: int = 0
     #: Runs the database refused to delete (a host's table points at them): kept.
     refused: list[int] = field(default_factory=list)
+    #: A dry run's first ``NAMED`` runs that would go, by id.
+    run_ids: list[int] = field(default_factory=list)
     archive: str | None = None
     #: Bytes of a torn member and runs of an uncommitted one cut from the archive at start.
     archive_torn_bytes: int = 0
@@ -522,6 +533,7 @@ class PruneReport:
             "log": self.log,
             "batches": self.batches,
             "refused": self.refused,
+            "run_ids": self.run_ids,
             "archive": self.archive,
             "archive_torn_bytes": self.archive_torn_bytes,
             "archive_runs_dropped": self.archive_runs_dropped,
@@ -568,6 +580,7 @@ def prune(
     started = time.monotonic()
     out: dict[str, Any] = {"runs": 0, "steps": 0, "resources": 0, "log": 0, "batches": 0}
     refused: list[int] = []
+    named: list[int] = []
     longest = 0.0
     file = Archive(archive) if archive is not None else None
     torn = dropped = 0
@@ -584,7 +597,11 @@ def prune(
                     break
                 after = ids[-1]
                 if dry_run:
-                    out["runs"] += len(ids)
+                    # The same figures a real prune reports (it said 0 steps, 0 rows),
+                    # and which runs.
+                    for key, n in history.count(ids).items():
+                        out[key] += n
+                    named.extend(ids[: max(0, NAMED - len(named))])
                     continue
                 began = time.monotonic()
                 counts = _prune_batch(history, ids, cutoff, file, refused)
@@ -601,6 +618,7 @@ def prune(
         cutoff=cutoff,
         dry_run=dry_run,
         refused=refused,
+        run_ids=named,
         archive=str(archive) if archive is not None else None,
         archive_torn_bytes=torn,
         archive_runs_dropped=dropped,

@@ -244,6 +244,19 @@ def test_a_dry_run_counts_and_writes_nothing(tmp_path):  # #28: --dry-run, --jso
     assert not EventRun.objects.filter(pk__in=[r.pk for r in runs]).exists()
 
 
+def test_a_dry_runs_figures_are_the_real_prunes_and_it_names_the_runs():  # #28, #35
+    # On a419c07 the dry run said 0 steps and 0 rows for runs whose prune removed them,
+    # and did not say which runs.
+    runs = [old_run(name=f"r{i}") for i in range(3)]
+    code, out, _ = command("--older-than", "30d", "--dry-run", "--json")
+    dry = json.loads(out)
+    assert dry["run_ids"] == [r.pk for r in runs]
+    code, out, _ = command("--older-than", "30d", "--json")
+    real = json.loads(out)
+    figures = ("runs", "steps", "resources", "log")
+    assert [dry[k] for k in figures] == [real[k] for k in figures] == [3, 3, 6, 3]
+
+
 def test_retention_from_the_setting(settings):  # #28: RETENTION
     old_run()
     young = old_run(days=3)

@@ -135,7 +135,19 @@ class Command(LedgerCommand):
             "seconds": report.seconds,
         }
         if report.dry_run:
-            self.stdout.write(_("would remove %(runs)d runs that ended before %(cutoff)s") % values)
+            self.stdout.write(
+                _(
+                    "would remove %(runs)d runs that ended before %(cutoff)s (%(steps)d "
+                    "steps, %(resources)d ledger rows, %(log)d log entries)"
+                )
+                % values
+            )
+            if report.run_ids and self.verbosity >= 2:
+                shown = ", ".join(map(str, report.run_ids))
+                more = report.runs - len(report.run_ids)
+                self.stdout.write(
+                    _("runs: %(ids)s") % {"ids": shown + (f", … ({more} more)" if more else "")}
+                )
         else:
             self.stdout.write(
                 _(
