@@ -95,6 +95,9 @@ def sweep_once(limit: int | None = None, scope: str | None = None) -> dict[str, 
         "errors": {str(k): v for k, v in report.errors.items()},
         "repaired": report.repaired,
         "incomplete": report.incomplete,
+        # A task that ran is green in a queue's console: this says what cleanup_runs' exit
+        # status 1 says, so a result backend's reader (or a chained task) can page.
+        "needs_a_human": bool(report.incomplete or report.errors),
     }
 
 

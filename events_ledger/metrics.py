@@ -2,8 +2,8 @@
 counters of what this process did.
 
 ``LedgerCollector`` reads ``status.snapshot()`` at every scrape (three queries, whatever
-the size of the tables), so every process and host that serves it reports the same
-numbers. Hosts that already expose metrics register it themselves::
+the size of the tables) and the history's size (up to six more, each bounded), so every
+process and host that serves it reports the same numbers. Hosts that already expose metrics register it themselves::
 
     from prometheus_client import REGISTRY
     from events_ledger.metrics import LedgerCollector

@@ -278,3 +278,28 @@ def test_the_dry_run_refuses_what_the_command_refuses_and_says_why_it_plans_noth
     out = StringIO()
     call_command("cleanup_runs", "--run", str(stuck.pk), "--dry-run", stdout=out)
     assert "is incomplete" in out.getvalue() and "--reset-attempts --dry-run" in out.getvalue()
+
+
+def test_a_scrape_costs_the_queries_the_docs_say(django_assert_max_num_queries):  # #15, #28
+    # monitoring.md said three (the snapshot's); the history's size adds up to six.
+    from prometheus_client.exposition import generate_latest
+
+    from events_ledger.metrics import exposition_registry
+    from tests.factories import ResourceFactory, RunFactory
+
+    ResourceFactory(run=RunFactory(status="failed", cleanup_status="incomplete"))
+    registry = exposition_registry()
+    with django_assert_max_num_queries(9):
+        assert b"events_ledger_healthy 0.0" in generate_latest(registry)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_sweep_task_says_when_a_run_needs_a_human():  # C5, #14: green is not all clear
+    from events_ledger import jobs
+    from tests.factories import ResourceFactory, RunFactory
+
+    assert jobs.sweep_once()["needs_a_human"] is False
+    stuck = RunFactory(status="failed", cleanup_status="pending")
+    ResourceFactory(run=stuck, status="confirmed", revert_attempts=3)  # spent, summary stale
+    answer = jobs.sweep_once()
+    assert answer["incomplete"] == [stuck.pk] and answer["needs_a_human"] is True

@@ -249,6 +249,17 @@ class Command(LedgerCommand):
                     }
                 )
             )
+            if s.failed and s.errors and self.verbosity < 2:
+                # "failed 2" alone sends the reader to the console for the why.
+                others = len(s.errors) - 1
+                self.stdout.write(
+                    _("  first error: %(error)s") % {"error": s.errors[0]}
+                    + (
+                        _(" (and %(more)d more; -v 2 lists them)") % {"more": others}
+                        if others
+                        else ""
+                    )
+                )
             for w in s.waiting:
                 self.stdout.write(
                     _(
