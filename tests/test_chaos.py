@@ -16,6 +16,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -169,6 +170,19 @@ def test_a_sweeper_killed_at_any_point_is_finished_by_the_next(world, point, fig
 # ── SIGSTOP past the claim TTL, then SIGCONT ──
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (state T in /proc)."""
+    tasks = Path(f"/proc/{pid}/task")
+    states = []
+    for task in tasks.iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:
+            continue  # a thread that ended meanwhile
+        states.append(stat[stat.rindex(")") + 2])
+    return bool(states) and all(state in "Tt" for state in states)
+
+
 def _stop_and_age(child: subprocess.Popen[Any], pks: list[int]) -> None:
     """SIGSTOP the sweeper inside its module's call, then age its claim past the TTL.
 
@@ -179,6 +193,10 @@ def _stop_and_age(child: subprocess.Popen[Any], pks: list[int]) -> None:
     on its switch, so the claim is the same one."""
     for _ in range(20):
         os.kill(child.pid, signal.SIGSTOP)
+        # kill() returns before the stop takes: on two cores the child can still run for
+        # a moment (its call seeing the switch go off, its verdict written before the
+        # takeover this test is about). Every thread is read stopped before going on.
+        wait_until(lambda: _stopped(child.pid), "the sweeper to stop")
         try:
             age_rows(EventRunResource, pks, seconds=3600)
             return
