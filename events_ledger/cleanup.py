@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
-from django.db import DatabaseError, connection, connections, transaction
+from django.db import DatabaseError, connection, transaction
 
 from . import signals
+from .background import keeper
 from .conf import ledger_settings
 from .db import (
     CHUNK,
@@ -32,7 +33,7 @@ from .db import (
     storable_json,
 )
 from .db import retries as db_retries
-from .deadline import CallResult, call_all, call_with_deadline
+from .deadline import CallResult, Calls, call_all, call_with_deadline
 from .envelopes import Verdict, classify_revert, read_reconcile
 from .logcontext import log_context
 from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
@@ -268,11 +269,11 @@ def plan_run(run: EventRun | int, reset_attempts: bool = False) -> list[Group]:
 # ── calling the module (C1–C3) ──
 
 
-def _give_back(group: Group, rows: list[EventRunResource]) -> Verdict:
+def _give_back(group: Group, rows: list[EventRunResource], token: str | None = None) -> Verdict:
     if group.problem:
         return Verdict("terminal", group.problem)
     if group.lease_ref:
-        return _restore_lease(rows[0])
+        return _restore_lease(rows[0], group, token)
     action = registry.action(group.action_id)
     if action is None:
         return Verdict(
@@ -295,17 +296,61 @@ def _give_back(group: Group, rows: list[EventRunResource]) -> Verdict:
             for r in rows
         ]
     )
-    call = call_with_deadline(
-        lambda: revert(
-            run_id=rows[0].run_id, resources=resources, idempotency_key=group.idempotency_key
+    return _overdue_or(
+        group,
+        rows,
+        token,
+        lambda late: call_with_deadline(
+            lambda: revert(
+                run_id=rows[0].run_id, resources=resources, idempotency_key=group.idempotency_key
+            ),
+            action.budget_s,
+            f"{action.id}.revert",
+            late=late,
         ),
-        action.budget_s,
-        f"{action.id}.revert",
+        action.id,
     )
-    return classify_revert(call, action.id)
 
 
-def _restore_lease(row: EventRunResource) -> Verdict:
+def _overdue_or(
+    group: Group,
+    rows: list[EventRunResource],
+    token: str | None,
+    call: Callable[[Callable[[CallResult], None] | None], CallResult],
+    what: str,
+) -> Verdict:
+    """Make the call; one that outlives its budget is ``overdue``: it still runs and may
+    still give the rows back, so they are neither failed nor handed back (another pass
+    would ask again while it runs). The keeper keeps their claim fresh, held from before
+    the call, so a late answer that comes at once cannot let go of it first; the answer
+    is written when it comes (``_late_verdict``)."""
+    if token is None:
+        return classify_revert(call(None), what)
+    keeper.hold_revert(token)
+    result = call(partial(_late_verdict, group, rows, token, what))
+    if result.timed_out:
+        return Verdict("overdue", f"{result.message}; it still runs and keeps its rows")
+    keeper.release_revert(token)
+    return classify_revert(result, what)
+
+
+def _late_verdict(
+    group: Group, rows: list[EventRunResource], token: str, what: str, result: CallResult
+) -> None:
+    """The answer of an overdue call, in its own thread when it ends: kept in hand like a
+    pass's verdicts and written by the keeper, under the claim's token."""
+    try:
+        lane = _Lane(group, rows, classify_revert(result, what), late=True)
+        run_id = group.run_id
+        _backlog.keep(
+            _InHand({run_id: CleanupSummary(run_id=run_id)}, [lane], token, False, None, [])
+        )
+    finally:
+        keeper.release_revert(token)
+    keeper.wake()
+
+
+def _restore_lease(row: EventRunResource, group: Group, token: str | None) -> Verdict:
     payload = row.payload if isinstance(row.payload, dict) else {}
     if "baseline" not in payload:
         # Reserved, but its baseline was never read onto it, so nothing was applied
@@ -320,17 +365,23 @@ def _restore_lease(row: EventRunResource) -> Verdict:
     restore = lease.restore
     if not callable(restore):
         return Verdict("terminal", f"the lease {lease.id} declares no restore()")
-    call = call_with_deadline(
-        lambda: restore(
-            payload.get("baseline"),
-            expected=payload.get("applied"),
-            run_id=row.run_id,
-            target=found.target,
+    return _overdue_or(
+        group,
+        [row],
+        token,
+        lambda late: call_with_deadline(
+            lambda: restore(
+                payload.get("baseline"),
+                expected=payload.get("applied"),
+                run_id=row.run_id,
+                target=found.target,
+            ),
+            lease.budget_s,
+            f"{lease.id}.restore",
+            late=late,
         ),
-        lease.budget_s,
-        f"{lease.id}.restore",
+        row.ref,
     )
-    return classify_revert(call, row.ref)
 
 
 # ── C4 ──
@@ -345,6 +396,8 @@ class CleanupSummary:
     failed: int = 0
     remaining: int = 0
     fenced: int = 0
+    #: Rows whose call outlived its budget and still runs: written when it answers.
+    overdue: int = 0
     cleanup_status: str = ""
     reset: int | None = None
     errors: list[str] = field(default_factory=list)
@@ -359,7 +412,7 @@ class CleanupSummary:
 
     def add_round(self, later: CleanupSummary) -> None:
         """Fold in what a later round of the same cleanup did (C8)."""
-        for name in ("attempted", "reverted", "drifted", "failed", "fenced"):
+        for name in ("attempted", "reverted", "drifted", "failed", "fenced", "overdue"):
             setattr(self, name, getattr(self, name) + getattr(later, name))
         self.remaining, self.cleanup_status = later.remaining, later.cleanup_status
         self.errors += later.errors
@@ -445,6 +498,8 @@ class _Lane:
     verdict: Verdict | None = None
     #: Claimed too often without a verdict: failed without a call.
     poisoned: bool = False
+    #: The answer of a call that outlived its budget, written after its pass.
+    late: bool = False
 
 
 def _work_runs(
@@ -520,36 +575,63 @@ def _work_round(
     # after it committed is then this process's to hand back at its next pass, instead
     # of holding its rows for REVERT_CLAIM_TTL and counting toward the poison limit.
     token: str | None = new_token() if claimable else None
-    calling = False
+    if token is None:  # nothing to claim: the summaries are settled all the same
+        settled = _write_in_hand(_InHand(summaries, [], None, human, actor, log.entries))
+        signals.cleanup_done(runs, settled, [])
+        return [settled[run.pk] for run in runs]
+    calls: Calls | None = None
+    # The keeper keeps the claim fresh from before it is sent until its verdicts are
+    # written or kept: a pass may take longer than REVERT_CLAIM_TTL, and a healthy
+    # sweeper must not take its rows for a dead one's while their calls still run.
+    keeper.hold_revert(token)
     try:
-        lanes = _claim(claimable, summaries, log, token)
-        called = [lane for lane in lanes if not lane.poisoned]
-        calling = True
-        verdicts = call_all(
-            [partial(_given_back, lane.group, lane.rows) for lane in called],
-            ledger_settings.CLEANUP_CONCURRENCY,
-            should_stop=should_stop,
-        )
-        for lane, verdict in zip(called, verdicts, strict=True):
-            lane.verdict = verdict
-    except BaseException:
-        if token is not None:
-            # No verdict in hand (the database went away at the claim, the process is
-            # being stopped): this process's next pass hands the claim back, its count
-            # given back too when no module was called under it.
-            _unfinished.add(token, called=calling)
         try:
-            log.flush()
-        except DatabaseError as exc:
-            drop_if_dead(exc)
-        raise
-    # From here the module's answers are in hand: written, whatever it takes, never
-    # handed back (a handed-back claim makes the next pass call the module again).
-    hand = _InHand(summaries, lanes, token, human, actor, log.entries)
-    settled = _write_in_hand(hand)
+            lanes = _claim(claimable, summaries, log, token)
+            called = [lane for lane in lanes if not lane.poisoned]
+            calls = Calls(
+                [partial(_given_back, lane.group, lane.rows, token) for lane in called],
+                ledger_settings.CLEANUP_CONCURRENCY,
+                should_stop=should_stop,
+            )
+            for lane, verdict in zip(called, calls.wait(), strict=True):
+                lane.verdict = verdict
+        except BaseException as exc:
+            if calls is not None:
+                # The host interrupted the pass while its calls ran (a task's soft time
+                # limit, an alarm, a signal): none starts any more, the running ones go
+                # on under their claim, and their verdicts are written when they end.
+                # Handed back or failed now, their rows would be asked again while the
+                # first call is still inside the module.
+                calls.stop()
+                _backlog.keep(
+                    _InHand(summaries, lanes, token, human, actor, log.entries, calls, called)
+                )
+                calls.when_done(keeper.wake)
+                exc.add_note(INTERRUPTED)
+                raise
+            # No module was called: the next pass of this process hands the claim back,
+            # not counted toward the poison limit.
+            _unfinished.add(token, called=False)
+            try:
+                log.flush()
+            except DatabaseError as db_exc:
+                drop_if_dead(db_exc)
+            raise
+        # From here the module's answers are in hand: written, whatever it takes, never
+        # handed back (a handed-back claim makes the next pass call the module again).
+        settled = _write_in_hand(_InHand(summaries, lanes, token, human, actor, log.entries))
+    finally:
+        keeper.release_revert(token)
     # ── #15: the signals of what the verdict transaction committed ──
     signals.cleanup_done(runs, settled, lanes)
     return [settled[run.pk] for run in runs]
+
+
+#: Noted on the host's exception when it interrupted a pass whose calls still run.
+INTERRUPTED = (
+    "events-ledger: the pass was interrupted while module calls ran; they go on, and "
+    "their verdicts are written when they end"
+)
 
 
 class VerdictsInHand(Exception):
@@ -558,7 +640,7 @@ class VerdictsInHand(Exception):
     and its next pass writes them before anything else."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _InHand:
     """A pass's verdicts on their way to the ledger, with what they settle and log."""
 
@@ -568,83 +650,81 @@ class _InHand:
     human: bool
     actor: str | None
     log: list[EventRunLog]
+    #: The calls of a pass interrupted while they ran, and their lanes: the verdicts are
+    #: theirs once every started call has ended (a call never started answers None).
+    calls: Calls | None = None
+    called: list[_Lane] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        if self.calls is None:
+            return True
+        if not self.calls.done.is_set():
+            return False
+        for lane, verdict in zip(self.called, self.calls.answers, strict=True):
+            lane.verdict = verdict
+        self.calls = None
+        return True
 
 
 class _Backlog:
-    """Verdicts this process holds whose write failed, for as long as it lives: a daemon
-    thread keeps their claims fresh (every quarter of ``REVERT_CLAIM_TTL``, so no other
-    sweeper takes them for a dead process's and asks the module again) and tries to
-    write them, as does this process's next sweep. Only a dead process's claims wait
-    for the TTL."""
+    """Verdicts this process holds and has not written yet, for as long as it lives: the
+    write failed (the rows locked past every retry, the database away), or the pass was
+    interrupted while its calls ran, or a call answered after its budget. The keeper
+    (``background``) keeps their claims fresh, so no other sweeper takes them for a dead
+    process's and asks the module again, and writes them at its beats, as does this
+    process's next sweep. Only a dead process's claims wait for the TTL."""
 
     def __init__(self) -> None:
         self.reset_after_fork()
 
     def reset_after_fork(self) -> None:
         # A forked child holds no module answers of its parent's (the parent writes
-        # them) and no thread; a lock held at the fork would stay held for ever.
+        # them); a lock held at the fork would stay held for ever.
         self._lock = threading.Lock()
         self._hands: list[_InHand] = []
-        self._thread: threading.Thread | None = None
-        self._wake = threading.Event()
 
     def keep(self, hand: _InHand) -> None:
         with self._lock:
             self._hands.append(hand)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="events-ledger:verdicts-in-hand", daemon=True
-                )
-                self._thread.start()
+        if hand.token is not None:
+            keeper.hold_revert(hand.token)
 
     def take(self) -> list[_InHand]:
+        """The hands ready to be written (each let go by ``written`` after its write)."""
         with self._lock:
-            hands, self._hands = self._hands, []
-        return hands
+            ready = [hand for hand in self._hands if hand.ready()]
+            self._hands = [hand for hand in self._hands if all(hand is not r for r in ready)]
+        return ready
 
-    def tokens(self) -> list[str]:
+    def written(self, hand: _InHand) -> None:
+        if hand.token is not None:
+            keeper.release_revert(hand.token)
+
+    def pending(self) -> list[Calls]:
         with self._lock:
-            return [hand.token for hand in self._hands if hand.token is not None]
+            return [hand.calls for hand in self._hands if hand.calls is not None]
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._hands)
 
-    def drop_all(self, wait_s: float = 10.0) -> None:
-        """Forget every verdict in hand and let the thread end (a test's teardown)."""
-        self.take()
-        thread = self._thread
-        if thread is not None:
-            self._wake.set()
-            thread.join(wait_s)
-
-    def _run(self) -> None:
-        while True:
-            try:
-                interval = ledger_settings.REVERT_CLAIM_TTL.total_seconds() / 4
-            except Exception:  # a bad setting is reported by the checks; keep going
-                interval = 60.0
-            self._wake.wait(max(interval, 0.05))
-            self._wake.clear()
-            try:
-                for token in self.tokens():
-                    Res.refresh_claim(token)
-                write_verdicts_in_hand()
-            except Exception:
-                logger.warning("the verdicts in hand: this beat failed", exc_info=True)
-            finally:
-                # A connection per beat, not one held for the process's life.
-                try:
-                    connections.close_all()
-                except Exception:
-                    logger.debug("closing the backlog's connection failed", exc_info=True)
-            with self._lock:
-                if not self._hands:
-                    self._thread = None
-                    return
+    def drop_all(self) -> None:
+        """Forget every verdict in hand and every claim kept (a test's teardown)."""
+        with self._lock:
+            self._hands = []
+        keeper.forget_all()
 
 
 _backlog = _Backlog()
+
+
+def _write_ready_in_hand() -> None:
+    """The keeper's chore: write what is ready, in the keeper's thread."""
+    if len(_backlog):
+        write_verdicts_in_hand()
+
+
+keeper.chores.append(_write_ready_in_hand)
 
 #: How often one pass tries to write its verdicts before keeping them for later (each
 #: try its own transaction; a conflict or a lock wait waits a little longer), and for
@@ -671,6 +751,11 @@ def _write_in_hand(hand: _InHand) -> dict[int, CleanupSummary]:
         )
         _backlog.keep(hand)
         raise VerdictsInHand(f"{type(exc).__name__}: {exc}") from exc
+    except BaseException:
+        # Interrupted while writing (a soft time limit, an alarm, Ctrl-C): the answers
+        # stay in hand, fenced by their claim, for the keeper or the next pass to write.
+        _backlog.keep(hand)
+        raise
     log = [*hand.log, *entries]
     try:
         return _reconnecting(lambda: _settle_and_log(worked, log, hand.human, hand.actor))
@@ -695,6 +780,8 @@ def write_verdicts_in_hand() -> int:
         except Exception:
             logger.exception("settling the summaries of verdicts written late failed")
             continue
+        finally:
+            _backlog.written(hand)
         signals.cleanup_done(
             list(EventRun.objects.filter(pk__in=list(settled))), settled, hand.lanes
         )
@@ -710,6 +797,11 @@ def _write_in_hand_at_exit() -> None:
     the TTL; a process's own SIGTERM handler should end it through ``sys.exit``."""
     if not len(_backlog):
         return
+    # Calls a stopped pass left running are awaited a little: their answers are in
+    # the world already, or about to be.
+    waited_until = time.monotonic() + VERDICT_WRITE_BUDGET_S
+    for calls in _backlog.pending():
+        calls.done.wait(max(0.0, waited_until - time.monotonic()))
     try:
         held = write_verdicts_in_hand()
     except Exception:
@@ -838,7 +930,7 @@ def _claim(
     return lanes
 
 
-def _given_back(group: Group, rows: list[EventRunResource]) -> Verdict:
+def _given_back(group: Group, rows: list[EventRunResource], token: str | None = None) -> Verdict:
     # One lane's failure is its verdict, never the pass's: the other lanes' calls have
     # been made, and their answers must be written.
     step_id = rows[0].step_id if group.lease_ref is None else None
@@ -846,7 +938,7 @@ def _given_back(group: Group, rows: list[EventRunResource]) -> Verdict:
         run_id=group.run_id, step_id=step_id, action=group.what, owner=rows[0].owner_module
     ):
         try:
-            return _give_back(group, rows)
+            return _give_back(group, rows, token)
         except Exception as exc:
             logger.exception("giving back %s failed", group.what)
             return Verdict("retry", storable(f"giving back failed: {type(exc).__name__}: {exc}"))
@@ -931,6 +1023,8 @@ def _write_verdicts(
         verdict = lane.verdict
         if verdict is None:
             writes.unstarted += ids
+        elif verdict.outcome == "overdue":
+            pass  # still running under its claim: its answer is written when it comes
         elif lane.poisoned:
             writes.fail(ids, verdict.error, spent_claims=True)
         elif verdict.outcome == "done":
@@ -953,6 +1047,10 @@ def _write_verdicts(
             continue
         summary = summaries[lane.group.run_id]
         ids = [r.pk for r in lane.rows]
+        if verdict.outcome == "overdue":
+            summary.overdue += len(ids)
+            add(summary.run_id, *_verdict_entry(lane))
+            continue
         done = ids if written is None else [pk for pk in ids if pk in written]
         summary.attempted += len(ids)
         if i in splits:
@@ -977,7 +1075,7 @@ def _write_verdicts(
                     "verdict": verdict.outcome,
                 },
             )
-        add(summary.run_id, *_verdict_entry(lane.group, lane.rows, verdict))
+        add(summary.run_id, *_verdict_entry(lane))
         if not lane.poisoned:
             summary.groups.append(
                 {
@@ -1040,12 +1138,14 @@ def _settle_and_log(
     return summaries
 
 
-def _verdict_entry(
-    group: Group, rows: list[EventRunResource], verdict: Verdict
-) -> tuple[str, dict[str, Any]]:
-    kind = {"done": "cleanup.reverted", "drifted": "cleanup.drifted"}.get(
-        verdict.outcome, "cleanup.failed"
-    )
+def _verdict_entry(lane: _Lane) -> tuple[str, dict[str, Any]]:
+    group, rows, verdict = lane.group, lane.rows, lane.verdict
+    assert verdict is not None
+    kind = {
+        "done": "cleanup.reverted",
+        "drifted": "cleanup.drifted",
+        "overdue": "cleanup.overdue",
+    }.get(verdict.outcome, "cleanup.failed")
     detail: dict[str, Any] = {
         "what": group.what,
         "outcome": verdict.outcome,
@@ -1057,6 +1157,8 @@ def _verdict_entry(
         detail["error"] = verdict.error
     if verdict.failed:
         detail["failed"] = bounded(verdict.failed)
+    if lane.late:
+        detail["late"] = True  # the answer of a call that had outlived its budget
     return kind, detail
 
 
@@ -1257,6 +1359,8 @@ def _sweep(
             report.errors[run.pk] = _error_text(exc)
         return report
     except Exception as exc:
+        if INTERRUPTED in getattr(exc, "__notes__", ()):
+            raise  # the host's, not one run's failure: the pass ends here
         logger.exception("the pass over runs %s failed", [run.pk for run in runs])
         if isinstance(exc, DatabaseError) and drop_if_dead(exc):
             # The server went away ("gone away", a lost or killed connection): the

@@ -283,66 +283,110 @@ def _interrupted(
         threading.Thread(target=deliver, name=f"events-ledger:{what}:late", daemon=True).start()
 
 
+class Calls:
+    """Module calls (each under its own deadline) made at most ``width`` at a time on the
+    kept worker threads, never in the caller's thread; ``wait`` answers their results in
+    order.
+
+    A pass that calls its modules one after the other takes the sum of their times; in
+    parallel it takes about the longest. The caller only waits, so an exception the host
+    raises in it (a task queue's soft time limit, an alarm, Ctrl-C) never lands inside a
+    call and is never taken for the module's answer: the caller ``stop``s the calls not
+    yet started (they answer None) and hands the running ones' answers on with
+    ``when_done``, while those calls go on. What a call raises is raised by ``wait``, once
+    every started call has ended (so no answer is lost behind it).
+    """
+
+    def __init__(
+        self,
+        calls: Sequence[Callable[[], T]],
+        width: int,
+        *,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        self.answers: list[Any] = [None] * len(calls)
+        self._raised: list[BaseException | None] = [None] * len(calls)
+        self._calls = calls
+        self._should_stop = should_stop
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._todo = iter(range(len(calls)))
+        self._lanes = max(1, min(width, len(calls)))
+        self._then: list[Callable[[], None]] = []
+        self.done = threading.Event()
+        if not calls:
+            self.done.set()
+            return
+        # Each call in the caller's context (#15: the log context of the pass).
+        self._contexts = [contextvars.copy_context() for _ in calls]
+        # Lanes on the kept worker threads (``workers``), each taking the next call until
+        # none is left: a pool of threads made and joined per pass cost a pass of ten
+        # quick calls some 6 ms, twenty times the calls themselves (#27).
+        for _ in range(self._lanes):
+            workers.run(self._lane, "events-ledger:calls")
+
+    def stop(self) -> None:
+        """Start no more calls; the running ones go on."""
+        self._stopped = True
+
+    def _next(self) -> int | None:
+        with self._lock:
+            if self._stopped or (self._should_stop is not None and self._should_stop()):
+                return None
+            return next(self._todo, None)
+
+    def _lane(self) -> None:
+        try:
+            while (i := self._next()) is not None:
+                try:
+                    self.answers[i] = self._contexts[i].run(self._calls[i])
+                except BaseException as exc:  # raised by ``wait``, once every call has ended
+                    self._raised[i] = exc
+                finally:
+                    # A call's deadline may have killed sessions from this connection.
+                    _close_connections()
+        finally:
+            with self._lock:
+                self._lanes -= 1
+                last = self._lanes == 0
+                then = list(self._then) if last else []
+                if last:
+                    self.done.set()
+            for fn in then:
+                _safely(fn)
+
+    def when_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once every started call has ended: in the last call's thread, or in
+        a thread of its own if that has already happened."""
+        with self._lock:
+            if not self.done.is_set():
+                self._then.append(fn)
+                return
+        threading.Thread(target=_safely, args=(fn,), name="events-ledger:then", daemon=True).start()
+
+    def wait(self) -> list[Any]:
+        self.done.wait()
+        for exc in self._raised:
+            if exc is not None:
+                raise exc
+        return self.answers
+
+
+def _safely(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except BaseException:
+        logger.exception("handing on the answers of module calls failed")
+
+
 def call_all(
     calls: Sequence[Callable[[], T]],
     width: int,
     *,
     should_stop: Callable[[], bool] | None = None,
 ) -> list[T | None]:
-    """Make ``calls`` (each a module call under its own deadline) at most ``width`` at a
-    time; answers their results in order.
-
-    A pass that calls its modules one after the other takes the sum of their times; in
-    parallel it takes about the longest. A call not yet started when ``should_stop``
-    says so is not started, and answers None. What a call raises is raised here, once
-    every started call has ended (so no answer is lost behind it).
-    """
-
-    def one(call: Callable[[], T]) -> T | None:
-        if should_stop is not None and should_stop():
-            return None
-        try:
-            return call()
-        finally:
-            # A call's deadline may have killed sessions from this thread's connection.
-            _close_connections()
-
-    if width <= 1 or len(calls) <= 1:
-        return [None if should_stop is not None and should_stop() else call() for call in calls]
-    # Lanes on the kept worker threads (``workers``), each taking the next call until
-    # none is left: a pool of threads made and joined per pass cost a pass of ten quick
-    # calls some 6 ms, twenty times the calls themselves (#27).
-    # Each call in the caller's context (#15: the log context of the pass).
-    contexts = [contextvars.copy_context() for _ in calls]
-    answers: list[Any] = [None] * len(calls)
-    raised: list[BaseException | None] = [None] * len(calls)
-    todo = iter(range(len(calls)))
-    taking = threading.Lock()
-    lanes = min(width, len(calls))
-    ended = threading.Semaphore(0)
-
-    def lane() -> None:
-        try:
-            while True:
-                with taking:
-                    i = next(todo, None)
-                if i is None:
-                    return
-                try:
-                    answers[i] = contexts[i].run(one, calls[i])
-                except BaseException as exc:  # raised below, once every call has ended
-                    raised[i] = exc
-        finally:
-            ended.release()
-
-    for _ in range(lanes):
-        workers.run(lane, "events-ledger:calls")
-    for _ in range(lanes):
-        ended.acquire()
-    for exc in raised:
-        if exc is not None:
-            raise exc
-    return answers
+    """``Calls(...).wait()``: make ``calls``, ``width`` at a time, and answer their results."""
+    return Calls(calls, width, should_stop=should_stop).wait()
 
 
 def _close_connections() -> None:

@@ -23,7 +23,9 @@ from .deadline import CallResult
 from .registry import default_registry
 from .states import STEP_KIND
 
-Outcome = Literal["done", "retry", "terminal", "drifted"]
+#: ``overdue``: a revert or restore outlived its budget and still runs; there is no
+#: verdict yet, and its rows stay claimed (kept fresh) until its answer is written.
+Outcome = Literal["done", "retry", "terminal", "drifted", "overdue"]
 
 MAX_KIND = 64
 MAX_REF = 190

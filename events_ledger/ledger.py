@@ -10,6 +10,7 @@ from typing import Any
 from django.db import DatabaseError, connection
 
 from . import fastpath, signals
+from .background import keeper, process_name
 from .conf import ledger_settings
 from .db import (
     bounded,
@@ -35,7 +36,6 @@ from .envelopes import (
     parse_until,
     read_resources,
 )
-from .inflight import keeper, process_name
 from .logcontext import bind, log_context
 from .models import EventRun, EventRunLog, EventRunResource, EventRunStep
 from .registry import LEASE_ACTION_ID, Action

@@ -754,7 +754,7 @@ class EventRunStepQuerySet(models.QuerySet):
     ) -> str | None:
         """Claim a step to execute it: ``pending → running``, or a ``running`` step whose
         claim is older than the TTL (its worker died: a live worker keeps its claim
-        fresh for as long as a call of the step runs, see ``inflight``). Answers the
+        fresh for as long as a call of the step runs, see ``background``). Answers the
         claim's token, or None when another worker holds it. Exactly one concurrent
         caller wins; every claim counts an attempt, so a step that kills its worker
         cannot loop for ever.
@@ -1655,11 +1655,11 @@ class EventRunResourceQuerySet(models.QuerySet):
             updated_at=LONG_AGO, claim_count=Greatest(F("claim_count") - 1, Value(0))
         )
 
-    def refresh_claim(self, token: str) -> int:
-        """Re-stamp the rows still under the caller's claim, whose verdicts it holds and
-        will write: nobody may take them for a dead process's and call their module
-        again."""
-        return self.filter(claim_token=token, status=ResourceStatus.REVERTING).update(
+    def refresh_claims(self, tokens: Sequence[str]) -> int:
+        """Re-stamp the rows still under the caller's claims, whose calls still run or
+        whose verdicts it holds and will write: nobody may take them for a dead
+        process's and call their module again."""
+        return self.filter(claim_token__in=list(tokens), status=ResourceStatus.REVERTING).update(
             updated_at=UtcNow()
         )
 

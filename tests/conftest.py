@@ -80,4 +80,4 @@ def _no_verdicts_in_hand_between_tests():
         pass
     cleanup._repair_pace.reset_after_fork()  # each test's first pass repairs
     yield
-    cleanup._backlog.drop_all()  # its thread must not write into the next test's tables
+    cleanup._backlog.drop_all()  # the keeper must not write into the next test's tables

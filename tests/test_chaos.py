@@ -335,7 +335,8 @@ def test_a_hung_revert_costs_the_pass_its_budget(world, isolated_registry, figur
     started = time.monotonic()
     summary = cleanup_run(run)
     took = time.monotonic() - started
-    holds = took <= budget_s + 1 and summary.failed == 1
+    # The call still runs: its row is neither failed nor handed back, only overdue.
+    holds = took <= budget_s + 1 and (summary.overdue, summary.failed) == (1, 0)
     figure(f"the pass came back in {took:.2f}s (budget {budget_s}s)", holds)
     assert holds
 

@@ -567,7 +567,7 @@ def test_a_forked_child_takes_every_lock_its_parent_held(where):  # W5, #24: fin
     import events_ledger.cleanup as cleanup
     import events_ledger.db as db
     import events_ledger.metrics as metrics
-    from events_ledger.inflight import keeper
+    from events_ledger.background import keeper
 
     locks = {
         "keeper": (lambda: keeper._lock, lambda: keeper.hold("t", 1) or keeper.release("t")),

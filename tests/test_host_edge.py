@@ -16,7 +16,7 @@ from events_ledger import InCallersTransaction, cleanup_run, run_steps, sweep
 from events_ledger.cleanup import reconcile_module
 from events_ledger.ledger import execute_step
 from events_ledger.models import EventRun, EventRunResource, EventRunStep
-from tests.helpers import ledger_action, new_run, new_step
+from tests.helpers import ledger_action, new_run, new_step, wait_until
 
 Res = EventRunResource.objects
 world_db = pytest.mark.django_db(transaction=True)
@@ -451,7 +451,7 @@ def test_a_late_answer_after_its_placeholder_was_given_back_is_said_on_the_run(
     from datetime import UTC, datetime
 
     from events_ledger import signals
-    from events_ledger.inflight import keeper
+    from events_ledger.background import keeper
     from tests.helpers import Gate, wait_until
     from tests.test_in_flight import gated_spawn, register_spawn, settled
 
@@ -788,3 +788,110 @@ def test_the_last_verdict_try_drops_a_dead_connection(world, monkeypatch):  # C4
     with pytest.raises(OperationalError):
         cleanup._persistently(lambda: cleanup._write_verdicts())
     assert connection.connection is None and before is not None
+
+
+# ── a pass interrupted, or longer than its claims (the host's edge, 2 and 3) ──
+
+
+class TimeLimit(Exception):  # noqa: N818
+    """As Celery's SoftTimeLimitExceeded: a plain Exception raised in the task's thread."""
+
+
+@world_db
+@pytest.mark.parametrize("width", [1, 4])
+def test_a_pass_interrupted_while_its_calls_run_asks_each_key_once_and_writes_the_answer(
+    isolated_registry, settings, width
+):  # C4, R5: one call per key at a time; an answer in hand is written
+    import signal
+    import threading
+
+    settings.EVENTS_LEDGER = {"CLEANUP_CONCURRENCY": width}
+    gate, inside = threading.Event(), threading.Event()
+    asked: list[str] = []
+
+    def revert(*, idempotency_key: str, **_: Any) -> dict[str, Any]:
+        asked.append(idempotency_key)
+        inside.set()
+        assert gate.wait(30)
+        return {"ok": True}
+
+    def perform(*, idempotency_key: str, **_: Any) -> dict[str, Any]:
+        return {"ok": True, "resources": [{"kind": "thing", "ref": idempotency_key}]}
+
+    ledger_action(isolated_registry, "t.make", perform=perform, revert=revert)
+    runs = []
+    for _ in range(3):
+        run = new_run()
+        assert execute_step(new_step(run, "t.make")).outcome == "done"
+        EventRun.objects.transition(run, "cancelled", from_="running")
+        runs.append(run)
+
+    def alarm(*_: Any) -> None:
+        if not inside.is_set():  # not yet inside the module: ask again a little later
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            return
+        raise TimeLimit("soft time limit exceeded")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(TimeLimit) as interrupted:
+            sweep()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert any("interrupted while module calls ran" in n for n in interrupted.value.__notes__)
+    running = list(asked)
+    assert len(running) == width if width < 3 else len(running) == 3
+    # While the calls run: nothing is failed, nothing handed back, nobody asks again.
+    assert not Res.filter(revert_attempts__gt=0).exists()
+    assert not sweep().runs and all(cleanup_run(run).attempted == 0 for run in runs)
+    assert asked == running
+    gate.set()
+    # Written when the calls end, by this process's keeper: no pass needed.
+    wait_until(
+        lambda: Res.filter(kind="thing", status="reverted").count() == len(running),
+        "the interrupted pass's answers written",
+    )
+    while sweep().runs:  # what was never started is given back by the next passes
+        pass
+    assert sorted(asked) == sorted({r.steps.get().idempotency_key for r in runs})
+    assert set(Res.values_list("status", "revert_attempts")) == {("reverted", 0)}
+    assert {r.cleanup_status for r in EventRun.objects.all()} == {"complete"}
+
+
+@world_db
+@pytest.mark.slow
+def test_a_pass_longer_than_its_claims_ttl_keeps_them_from_a_second_sweeper(
+    world, settings
+):  # C4, R5: the keeper re-stamps a running pass's claims
+    import time
+
+    from project.world.models import Call
+    from tests.helpers import spawn_step
+    from tests.processes import finish, start
+
+    ttl = {"REVERT_CLAIM_TTL": 1, "STEP_CLAIM_TTL": 60, "CLEANUP_CONCURRENCY": 1}
+    settings.EVENTS_LEDGER = ttl
+    run = new_run()
+    for seq, region in enumerate(("north", "south")):
+        assert execute_step(spawn_step(run, region, count=1, seq=seq)).outcome == "done"
+    EventRun.objects.transition(run, "cancelled", from_="running")
+    world.switch_on("despawn.wait")
+    child = start("sweep", {"rounds": 3}, settings=ttl)
+    try:
+        wait_until(lambda: Call.objects.filter(verb="despawn").exists(), "the child's revert")
+        began = time.monotonic()
+        # Twice the TTL: a claim nobody re-stamped would be anybody's now.
+        wait_until(lambda: time.monotonic() - began > 2.0, "twice the claim's TTL")
+        claimed = Res.filter(run=run, status="reverting")
+        assert claimed.exists()
+        assert not sweep().runs  # the second sweeper takes nothing
+        assert Call.objects.filter(verb="despawn").count() == 1
+    finally:
+        world.switch_off()
+        answer = finish(child)
+    assert answer["worked"] >= 1
+    keys = list(Call.objects.filter(verb="despawn").values_list("idempotency_key", flat=True))
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == 2
+    assert not Res.filter(run=run).exclude(status="reverted").exists()

@@ -156,7 +156,7 @@ def test_a_late_answer_after_cleanup_finished_makes_the_run_need_cleanup_again(
     assert execute_step(step).outcome == "overdue"
     EventRun.objects.transition(run, "cancelled", from_="running")
     # The claim as a stalled process leaves it: old, and nobody stamping it.
-    from events_ledger.inflight import keeper
+    from events_ledger.background import keeper
 
     for token in list(keeper.held()):
         keeper.release(token)
@@ -640,7 +640,7 @@ def test_an_interrupted_wait_still_records_the_answer(world, isolated_registry):
     call: the exception reaches the caller, and the answer is recorded when it comes."""
     import signal
 
-    from events_ledger.inflight import keeper
+    from events_ledger.background import keeper
 
     class SoftTimeLimit(Exception):
         pass

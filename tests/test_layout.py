@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("answers", {"envelopes"}),
     ("the table's SQL", {"querysets"}),
     ("the table", {"models"}),
-    ("around the table", {"signals", "inflight", "status", "fastpath"}),
+    ("around the table", {"signals", "background", "status", "fastpath"}),
     ("services", {"ledger", "cleanup", "runner", "retention"}),
     (
         "what services mean",

@@ -34,8 +34,8 @@ from typing import Any
 import pytest
 from django.db import connection
 
+from events_ledger.background import keeper
 from events_ledger.cleanup import cleanup_run, reconcile_module, sweep
-from events_ledger.inflight import keeper
 from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from events_ledger.retention import History, prune, read_archive

@@ -214,10 +214,10 @@ def test_a_raising_give_back_is_its_groups_verdict_not_the_passes(
     runs = _runs(3)
     real = cleanup._give_back
 
-    def flaky(group, rows):
+    def flaky(group, rows, token=None):
         if group.run_id == runs[1].pk:
             raise RuntimeError("the registry broke")
-        return real(group, rows)
+        return real(group, rows, token)
 
     monkeypatch.setattr(cleanup, "_give_back", flaky)
     report = {s.run_id: s for s in sweep().runs}
