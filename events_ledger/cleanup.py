@@ -763,10 +763,20 @@ def _write_in_hand(hand: _InHand) -> dict[int, CleanupSummary]:
         # The verdicts are written; the summaries are the sweep's repair's to derive.
         # What the pass did is logged all the same.
         try:
-            EventRunLog.objects.bulk_create(log)
+            EventRunLog.objects.bulk_create(_unsaved(log))
         except DatabaseError as exc:
             drop_if_dead(exc)
         raise
+
+
+def _unsaved(entries: list[EventRunLog]) -> list[EventRunLog]:
+    """Log entries as new rows: an INSERT whose COMMIT's answer was lost gave them their
+    ids, and inserting those again failed on the primary key (the caller was told
+    ``reverted 0`` and no signal was sent, though every verdict was written)."""
+    return [
+        EventRunLog(run_id=e.run_id, kind=e.kind, detail=e.detail, created_at=e.created_at)
+        for e in entries
+    ]
 
 
 def write_verdicts_in_hand() -> int:
@@ -1108,7 +1118,7 @@ def _settle_and_log(
     # only a run that owes nothing, so there is nothing of it to settle, and a log entry
     # for it would fail on its foreign key (the pass failed with KeyError, was worked
     # again run by run, and paged a human: "a prune beside a sweep", #11 of the host's edge).
-    log = [entry for entry in entries if entry.run_id in settled]
+    log = _unsaved([entry for entry in entries if entry.run_id in settled])
 
     def add(run_id: int, kind: str, detail: dict[str, Any]) -> None:
         log.append(EventRunLog(run_id=run_id, kind=kind, detail=storable_json(detail)))

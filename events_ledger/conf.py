@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Generic, TypeVar, overload
 
 from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
 from django.utils.translation import gettext as _
 
 DEFAULTS: dict[str, Any] = {
@@ -49,6 +51,7 @@ DEFAULTS: dict[str, Any] = {
     # file, created 0600); None archives nothing. A setting, not a task argument: a
     # message on the broker must not choose a file to write.
     "ARCHIVE": None,
+    "ARCHIVE_REDACT": None,
     # #26, C8: a run's resources are given back in reverse order of the phases that
     # made them (the last phase first). False gives every group back at once, in no
     # order, for worlds where nothing depends on anything.
@@ -164,6 +167,22 @@ class _Flag(_Setting[bool]):
         return value
 
 
+class _Hook(_Setting["Callable[[dict[str, Any]], dict[str, Any]] | None"]):
+    """A callable, or the dotted path of one (imported when used)."""
+
+    def check(self, value: Any) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+        if value is None or callable(value):
+            return value
+        if isinstance(value, str):
+            try:
+                found = import_string(value)
+            except ImportError as exc:
+                raise self.wrong(_("None, a callable or its dotted path"), repr(value)) from exc
+            if callable(found):
+                return found
+        raise self.wrong(_("None, a callable or its dotted path"), repr(value))
+
+
 class LedgerSettings:
     """Typed access to ``settings.EVENTS_LEDGER`` with defaults: each key is a typed
     attribute, so a misspelled name is a type error (and an AttributeError), not ``None``.
@@ -188,6 +207,7 @@ class LedgerSettings:
     FAST_PATH = _Flag()
     RETENTION = _Retention()
     ARCHIVE = _Path()
+    ARCHIVE_REDACT = _Hook()
     GIVE_BACK_IN_ORDER = _Flag()
 
     def _user(self) -> dict[str, Any]:

@@ -1659,8 +1659,12 @@ class EventRunResourceQuerySet(models.QuerySet):
         """Re-stamp the rows still under the caller's claims, whose calls still run or
         whose verdicts it holds and will write: nobody may take them for a dead
         process's and call their module again."""
-        return self.filter(claim_token__in=list(tokens), status=ResourceStatus.REVERTING).update(
-            updated_at=UtcNow()
+        # Not a row handed back already (stale at ``LONG_AGO``): re-stamped, it would be
+        # claimed again by a hand that no longer calls it, and its count taken back twice.
+        return (
+            self.filter(claim_token__in=list(tokens), status=ResourceStatus.REVERTING)
+            .exclude(updated_at=LONG_AGO)
+            .update(updated_at=UtcNow())
         )
 
     def verdicts_written(self, by_status: Mapping[str, Sequence[Any]], token: str) -> set[int]:

@@ -628,6 +628,26 @@ def prune(
     )
 
 
+def _redacted(documents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The host's ``ARCHIVE_REDACT`` over each run's document (step params, payloads and
+    errors may hold what must not sit in a file). A hook that loses a run's identity is
+    refused before anything is written or deleted: the batch stays in the database."""
+    redact = ledger_settings.ARCHIVE_REDACT
+    if redact is None:
+        return documents
+    out = []
+    for document in documents:
+        run_id = document["run"]["id"]
+        kept = redact(document)
+        if not isinstance(kept, dict) or (kept.get("run") or {}).get("id") != run_id:
+            raise ArchiveRefused(
+                f"ARCHIVE_REDACT must answer each run's document with its run's id "
+                f"(run {run_id}); nothing of this batch was archived or deleted"
+            )
+        out.append(kept)
+    return out
+
+
 def _prune_batch(
     history: History,
     ids: list[int],
@@ -642,7 +662,7 @@ def _prune_batch(
         if not locked:
             return {}
         if file is not None:
-            file.append(history.documents(locked))
+            file.append(_redacted(history.documents(locked)))
         return history.delete(locked)
 
     try:

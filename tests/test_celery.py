@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
+from events_ledger.ledger import execute_step
 from events_ledger.models import EventRun, EventRunResource, EventRunStep
 from project.world.models import Call, Creature, RegionSetting
 from tests.helpers import PATIENCE_S, new_run, spawn_step, wait_until
@@ -236,6 +237,47 @@ def test_runs_steps_sweeps_and_reconciles_on_celery_workers(world, celery_app, w
     assert swept["runs"] == len(runs) and swept["remaining"] == 0
     # The completed runs gave everything back; the lone run is still going.
     assert set(Creature.objects.values_list("spawned_by", flat=True)) == {step.idempotency_key}
+
+
+def test_a_sweep_past_its_soft_time_limit_asks_each_key_once(
+    world, celery_app, workers
+):  # C4, R5: the host's interrupt ends the pass, not the calls' claims
+    """Celery raises ``SoftTimeLimitExceeded`` (a plain Exception) in the task while the
+    pass waits on its module calls. The calls go on under their claims in the pool
+    process, and their answers are written there when they end: a sweep right after
+    asks nothing again (it used to hand the claims back and ask the same keys, or count
+    the interrupt as a failed attempt)."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from events_ledger.celery import sweep_task
+
+    workers.start(celery_app, 1, concurrency=1)
+    run = new_run(name="soft limit", status="running")
+    for seq, region in enumerate(("north", "south")):
+        assert execute_step(spawn_step(run, region, count=1, seq=seq)).outcome == "done"
+    EventRun.objects.transition(run, "cancelled", from_="running")
+    world.switch_on("despawn.wait")  # the world takes longer than the task may
+    with pytest.raises(SoftTimeLimitExceeded):
+        sweep_task.apply_async(soft_time_limit=1).get(timeout=PATIENCE_S)
+    asked = Call.objects.filter(verb="despawn").count()
+    assert asked >= 1
+    again = sweep_task.delay().get(timeout=PATIENCE_S)
+    assert again["runs"] == 0 and Call.objects.filter(verb="despawn").count() == asked
+    assert not EventRunResource.objects.filter(revert_attempts__gt=0).exists()
+    world.switch_off("despawn.wait")
+    wait_until(
+        lambda: not EventRunResource.objects.filter(run=run, status="reverting").exists(),
+        "the interrupted pass's answers written by the worker",
+    )
+    while sweep_task.delay().get(timeout=PATIENCE_S)["runs"]:
+        pass
+    keys = list(Call.objects.filter(verb="despawn").values_list("idempotency_key", flat=True))
+    assert len(keys) == len(set(keys)) == 2
+    assert set(
+        EventRunResource.objects.filter(run=run, kind="creature").values_list(
+            "status", "revert_attempts"
+        )
+    ) == {("reverted", 0)}
 
 
 def _overlaps(killed: dict[int, datetime]) -> list[str]:

@@ -347,6 +347,38 @@ def test_the_archive_is_created_and_kept_0600(tmp_path):  # #28: it holds every 
 
 
 @world_db
+def test_the_archive_redacts_through_the_hosts_hook_and_refuses_a_hook_that_loses_runs(
+    tmp_path, settings
+):  # #28: a secret in a step's params need not sit in the archive
+    import gzip
+    import json
+
+    def redact(document: dict[str, Any]) -> dict[str, Any]:
+        for step in document["steps"]:
+            step["params"] = "[redacted]"
+        return document
+
+    ids = _old_runs(2)
+    EventRunStep.objects.create(run_id=ids[0], action_id="t.make", params={"password": "hunter2"})
+    path = tmp_path / "ledger.jsonl.gz"
+    settings.EVENTS_LEDGER = {"ARCHIVE_REDACT": redact}
+    assert _prune_command("--archive", str(path))[0] == 0
+    archived = [json.loads(line) for line in gzip.open(path, "rt")]
+    assert [d["run"]["id"] for d in archived] == ids and "hunter2" not in str(archived)
+    assert archived[0]["steps"][0]["params"] == "[redacted]"
+    settings.EVENTS_LEDGER = {"ARCHIVE_REDACT": lambda document: None}
+    later = _old_runs(1)
+    before = path.read_bytes()
+    code, said = _prune_command("--archive", str(path))
+    assert code == 2 and "ARCHIVE_REDACT" in said
+    assert EventRun.objects.filter(pk__in=later).exists() and path.read_bytes() == before
+    from events_ledger.checks import check_settings
+
+    settings.EVENTS_LEDGER = {"ARCHIVE_REDACT": "no.such.hook"}  # found at start-up
+    assert [e.id for e in check_settings() if "ARCHIVE_REDACT" in e.msg] == ["events_ledger.E006"]
+
+
+@world_db
 def test_a_prune_reads_only_what_lies_past_the_committed_offset(tmp_path):  # #28: O(batch)
     from events_ledger.retention import read_archive
 
@@ -895,3 +927,46 @@ def test_a_pass_longer_than_its_claims_ttl_keeps_them_from_a_second_sweeper(
     keys = list(Call.objects.filter(verb="despawn").values_list("idempotency_key", flat=True))
     assert sorted(keys) == sorted(set(keys)) and len(keys) == 2
     assert not Res.filter(run=run).exclude(status="reverted").exists()
+
+
+@world_db
+def test_a_lost_reply_to_the_summaries_commit_still_reports_and_signals_the_pass(
+    isolated_registry, monkeypatch
+):  # C4: an outcome not known is read back, never lost
+    from django.db import OperationalError
+
+    import events_ledger.cleanup as cleanup
+    from events_ledger import signals
+
+    calls = _calls(isolated_registry)
+    run = _ended_run()
+    real_settle, real_in_transaction = cleanup._settle_and_log, cleanup.in_transaction
+    state = {"settling": False, "lost": 0}
+
+    def settle(*args: Any, **kwargs: Any) -> Any:
+        state["settling"] = True
+        return real_settle(*args, **kwargs)
+
+    def in_transaction(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        state["settling"] = False
+        result = real_in_transaction(fn, *args, **kwargs)
+        if state["settling"] and not state["lost"]:
+            state["lost"] += 1  # committed; its answer never came back
+            raise OperationalError(2013, "Lost connection to server during query")
+        return result
+
+    monkeypatch.setattr(cleanup, "_settle_and_log", settle)
+    monkeypatch.setattr(cleanup, "in_transaction", in_transaction)
+    completed: list[int] = []
+
+    def on_complete(sender: Any, run: Any, **kwargs: Any) -> None:
+        completed.append(run.pk)
+
+    signals.cleanup_complete.connect(on_complete, dispatch_uid="test-lost-commit")
+    try:
+        summary = cleanup_run(run)
+    finally:
+        signals.cleanup_complete.disconnect(dispatch_uid="test-lost-commit")
+    assert state["lost"] == 1 and calls == ["perform", "revert"]
+    assert (summary.reverted, summary.cleanup_status) == (1, "complete")
+    assert completed == [run.pk]
