@@ -40,6 +40,7 @@ from .models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRun
 from .querysets import GroupClaim, new_token
 from .registry import Action
 from .registry import default_registry as registry
+from .runner import finish_left_runs
 from .states import RELEASED_UNCLEAN, CleanupStatus, ResourceStatus
 
 logger = logging.getLogger("events_ledger")
@@ -1274,6 +1275,9 @@ class SweepReport:
     #: Passes' verdicts this process still holds after this pass (0: all written): a
     #: sweeper that stops now leaves their claims to the TTL.
     in_hand: int = 0
+    #: Runs ``run_steps`` had left running behind a step in flight, ended by this pass
+    #: once every step settled: (run, the status it ended with).
+    finished_runs: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def repaired(self) -> int:
@@ -1342,6 +1346,13 @@ def _sweep(
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
     _finish_earlier_passes()
     if _repair_pace.due(scope):
+        # At the repair's pace too (a read per pass where nothing is owed): the runs
+        # ``run_steps`` left running behind a late step, ended once it settled.
+        try:
+            report.finished_runs = finish_left_runs(scope)
+        except DatabaseError as exc:
+            logger.exception("ending the runs left running failed; the pass goes on")
+            drop_if_dead(exc)
         try:
             report.repaired_runs = candidates.repair_cleanup_summaries(
                 max_attempts, max_claims, ledger_settings.GIVE_BACK_IN_ORDER, scope=scope

@@ -213,14 +213,17 @@ class EventRunQuerySet(models.QuerySet):
         """The runs of ``scope``; every run when it is None."""
         return self if scope is None else self.filter(scope=scope)
 
-    def transition(self, run: Any, to: str, from_: Iterable[str] | str) -> bool:
+    def transition(
+        self, run: Any, to: str, from_: Iterable[str] | str, *, only_if: Q | None = None
+    ) -> bool:
         """Move a run's status ``from_ → to``. Exactly one concurrent caller wins; answers
         whether this one did (False: the run was in none of ``from_``, or is gone).
 
         Only the moves of the state machine (``states.RUN_MOVES``): a word that is no
         run status, or a move it does not make (a terminal status is final), raises
         ``InvalidTransition`` before anything is written. Given an instance, it is
-        refreshed from the row the move wrote."""
+        refreshed from the row the move wrote. ``only_if``: a further condition on the
+        run's row, decided in the same statement."""
         sources = (from_,) if isinstance(from_, str) else tuple(from_)
         check_run_move(str(to), tuple(map(str, sources)))
         values: dict[str, Any] = {"status": to, "updated_at": UtcNow()}
@@ -230,6 +233,8 @@ class EventRunQuerySet(models.QuerySet):
             values["finished_at"] = UtcNow()
         # `status` changes in every matched row, so matched == changed even on MySQL.
         qs = self.filter(pk=_pk(run), status__in=sources).exclude(status=to)
+        if only_if is not None:
+            qs = qs.filter(only_if)
         won = qs.update(**values) == 1
         if won and isinstance(run, self.model):
             run.refresh_from_db(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from django.db import transaction
+from django.db.models import Exists, OuterRef, Q
 
 from .db import refuse_callers_transaction, storable, storable_json
 from .ledger import StepResult, execute_step
@@ -93,6 +94,10 @@ def run_steps(run: EventRun | int, *, on_refused: OnRefused = "fail") -> RunRepo
         if result.outcome in ("done", "retry"):
             continue  # the next step, or this one again (attempt-bounded by execute_step)
         if result.outcome in ("busy", "overdue"):
+            # A call of the step still runs (this driver's own, past its budget, or
+            # another's): nobody may come back to end the run (a cron-only project has
+            # no task to retry it), so the sweep ends it once every step has settled.
+            _left_running(run_id, on_refused)
             return RunReport(run_id, "busy", _status(run_id), tuple(done), result.error)
         if result.outcome == "refused":
             if on_refused == "skip":
@@ -111,6 +116,59 @@ def run_steps(run: EventRun | int, *, on_refused: OnRefused = "fail") -> RunRepo
                 run_id, ended.outcome, ended.status, ended.steps, ended.error, result.holder_run_id
             )
         return _end(run_id, RunStatus.FAILED, done, result.error)
+
+
+#: On a run's log: ``run_steps`` left it ``running`` behind a step whose call still runs.
+LEFT_RUNNING = "run.left_running"
+
+
+def _left_running(run_id: int, on_refused: str) -> None:
+    try:
+        EventRunLog.objects.write(run_id, LEFT_RUNNING, {"on_refused": on_refused})
+    except Exception:  # the answer is ``busy`` all the same; a driver may come back
+        logger.exception("run %s: writing that it was left running failed", run_id)
+
+
+def finish_left_runs(scope: str | None = None, limit: int = 100) -> list[tuple[int, str]]:
+    """End the runs ``run_steps`` left ``running`` behind a step in flight, once every
+    step has settled, as ``run_steps`` would have: ``failed`` when a step failed (or
+    was refused, unless it skipped refused steps), ``completed`` when every step is done.
+    Each end is one conditional UPDATE that decides on the steps in the same statement,
+    so a step added or claimed meanwhile keeps the run going. A refused step of a driver
+    that stops at one is the host's to decide, and is left alone. Answers (run, status)."""
+    left = EventRunLog.objects.filter(run_id=OuterRef("pk"), kind=LEFT_RUNNING)
+    runs = EventRun.objects.filter(status=RunStatus.RUNNING).filter(Exists(left))
+    if scope is not None:
+        runs = runs.filter(scope=scope)
+    found = list(runs.order_by("pk").values_list("pk", flat=True)[:limit])
+    ended: list[tuple[int, str]] = []
+    for run_id in found:
+        on_refused = (
+            EventRunLog.objects.filter(run_id=run_id, kind=LEFT_RUNNING)
+            .order_by("-pk")
+            .values_list("detail", flat=True)
+            .first()
+            or {}
+        ).get("on_refused", "fail")
+        steps = EventRunStep.objects.filter(run_id=OuterRef("pk"))
+        settled = ~Q(
+            Exists(
+                steps.exclude(status__in=[StepStatus.DONE, StepStatus.FAILED, StepStatus.REFUSED])
+            )
+        )
+        refused = Q(Exists(steps.filter(status=StepStatus.REFUSED)))
+        failed = Q(Exists(steps.filter(status=StepStatus.FAILED)))
+        if on_refused == "fail":
+            failed = failed | refused
+        for to, when in (
+            (RunStatus.FAILED, settled & failed),
+            (RunStatus.COMPLETED, settled & ~failed & (~refused if on_refused == "stop" else Q())),
+        ):
+            if EventRun.objects.transition(run_id, to, from_=RunStatus.RUNNING, only_if=when):
+                EventRunLog.objects.write(run_id, f"run.{to.value}", {"by": "sweep"})
+                ended.append((run_id, to.value))
+                break
+    return ended
 
 
 def _status(run_id: int) -> str:

@@ -303,3 +303,38 @@ def test_a_sweep_task_says_when_a_run_needs_a_human():  # C5, #14: green is not 
     ResourceFactory(run=stuck, status="confirmed", revert_attempts=3)  # spent, summary stale
     answer = jobs.sweep_once()
     assert answer["incomplete"] == [stuck.pk] and answer["needs_a_human"] is True
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("answer", ["done", "failed"])
+def test_a_run_left_running_behind_a_late_step_is_ended_by_the_sweep(
+    isolated_registry, answer
+):  # R, C5, #35: a cron-only project has nobody to come back and end it
+    import threading
+
+    from events_ledger import run_steps, sweep
+    from tests.helpers import ledger_action, new_step, wait_until
+
+    gate = threading.Event()
+
+    def perform(*, idempotency_key: str, **_: object) -> dict[str, object]:
+        gate.wait(30)
+        if answer == "failed":
+            return {"ok": False, "retry": False, "error": "the world said no"}
+        return {"ok": True, "resources": [{"kind": "thing", "ref": idempotency_key}]}
+
+    ledger_action(isolated_registry, "t.slow", perform=perform, budget_ms=200)
+    run = new_run(status="pending")
+    step = new_step(run, "t.slow")
+    report = run_steps(run)
+    assert report.outcome == "busy" and report.status == "running"
+    assert not sweep().finished_runs  # the call still runs: the run goes on
+    gate.set()
+    wait_until(lambda: type(step).objects.get(pk=step.pk).status == answer, "the late answer")
+    swept = sweep()
+    to = "completed" if answer == "done" else "failed"
+    assert swept.finished_runs == [(run.pk, to)]
+    run.refresh_from_db()
+    assert run.status == to and run.cleanup_status in ("complete", "not_required")
+    assert run.log.filter(kind=f"run.{to}", detail__by="sweep").exists()
+    assert not sweep().finished_runs  # once
