@@ -42,6 +42,7 @@ _EXPORTS = {
     "run_steps": "runner",
     "RunReport": "runner",
     "end_run": "runner",
+    "resolve_by_hand": "runner",
 }
 
 

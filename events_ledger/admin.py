@@ -30,7 +30,7 @@ from .dashboard import DATETIME_FORMAT, TIME_FORMAT, run_timeline, when
 from .diagnosis import claim_stamp, diagnose
 from .models import EventRun, EventRunResource, EventRunStep
 from .querysets import EventRunQuerySet, EventRunResourceQuerySet
-from .runner import end_run
+from .runner import end_run, resolve_by_hand
 from .states import (
     RUN_TERMINAL,
     STEP_KIND,
@@ -145,6 +145,9 @@ class LedgerAdmin(admin.ModelAdmin):
 
     def has_end_run_permission(self, request: HttpRequest) -> bool:
         return self._has_app_perm(request, "end_run")
+
+    def has_resolve_by_hand_permission(self, request: HttpRequest) -> bool:
+        return self._has_app_perm(request, "resolve_by_hand")
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # runs are made by automation, rows by the ledger
@@ -610,7 +613,7 @@ class EventRunResourceAdmin(LedgerAdmin):
     list_select_related = ("run",)
     search_fields = ("ref", "kind", "run__name")
     ordering = ("-id",)
-    actions = ["reconcile"]
+    actions = ["reconcile", "resolve_rows_by_hand"]
     fields = (
         ("run", "step"),
         ("owner_module", "kind", "ref"),
@@ -633,6 +636,52 @@ class EventRunResourceAdmin(LedgerAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False  # a ledger row is never deleted by hand: that is losing a resource
+
+    @admin.action(
+        permissions=["resolve_by_hand"],
+        description=gettext_lazy("Resolve the selected rows by hand (no module call)"),
+    )
+    def resolve_rows_by_hand(
+        self, request: HttpRequest, queryset: QuerySet[EventRunResource]
+    ) -> HttpResponse | None:
+        """A confirmation page (a reason), then ``resolve_by_hand``: written to each run's
+        log and, per row, to the admin's history."""
+        rows = list(queryset.select_related("run").order_by("pk"))
+        reason = request.POST.get("reason", "").strip()
+        if request.POST.get("post") and reason:
+            actor = request.user.get_username()
+            resolved = resolve_by_hand(rows, actor=actor, reason=reason)
+            for row in rows:
+                if row.pk not in resolved:
+                    continue
+                self.log_change(
+                    request, row, _("Resolved by hand (%(reason)s)") % {"reason": reason}
+                )
+            level = messages.SUCCESS if len(resolved) == len(rows) else messages.WARNING
+            self.message_user(
+                request,
+                _(
+                    "%(resolved)d of %(asked)d row(s) resolved by hand; a row of a run still "
+                    "going, given back already, or being given back now is left as it is"
+                )
+                % {"resolved": len(resolved), "asked": len(rows)},
+                level,
+            )
+            return None
+        if request.POST.get("post"):
+            self.message_user(request, _("Give a reason to resolve rows by hand."), messages.ERROR)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": _("Resolve rows by hand"),
+            "subtitle": None,
+            "opts": self.opts,
+            "rows": rows,
+            "reason": reason,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "media": self.media,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, "events_ledger/admin/resolve_confirmation.html", context)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[EventRunResource]:
         return super().get_queryset(request).select_related("run", "step")

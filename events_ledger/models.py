@@ -77,6 +77,7 @@ class EventRun(models.Model):
             ("retry_cleanup", "Can retry the cleanup of a run (resets revert attempts)"),
             ("reconcile_resources", "Can reconcile a module's resources with its world"),
             ("end_run", "Can end a run that will not end by itself"),
+            ("resolve_by_hand", "Can resolve a ledger row by hand, without calling its module"),
         ]
 
     def __str__(self) -> str:

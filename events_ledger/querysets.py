@@ -47,6 +47,7 @@ from .states import (
     HELD,
     LIVE,
     RELEASED_UNCLEAN,
+    RESOLVABLE,
     RUN_TERMINAL,
     STEP_KIND,
     UNRESOLVED,
@@ -1093,6 +1094,32 @@ class EventRunResourceQuerySet(models.QuerySet):
 
     def _stale_claim(self, ttl: timedelta) -> Q:
         return Q(status=ResourceStatus.REVERTING, updated_at__lt=UtcNow() - ttl)
+
+    def resolve_by_hand(self, pks: Sequence[Any], token: str, note: str, ttl: timedelta) -> int:
+        """An operator's resolution, one conditional UPDATE: rows of ended runs that are
+        unresolved and not being given back (a ``reverting`` row only under a stale
+        claim) become ``resolved``, stamped with ``token`` so the caller reads back which
+        ones this call resolved. The target is released with them (R0)."""
+        return sum(
+            # The run's status as a subquery, not a join: MySQL would read the rows
+            # first and update them by id, deciding on what it had read.
+            self.filter(pk__in=part)
+            .filter(
+                Exists(
+                    _manager(self.model, "run").filter(
+                        pk=OuterRef("run_id"), status__in=RUN_TERMINAL
+                    )
+                )
+            )
+            .filter(Q(status__in=RESOLVABLE) | self._stale_claim(ttl))
+            .update(
+                status=ResourceStatus.RESOLVED,
+                claim_token=token,
+                last_error=note,
+                updated_at=UtcNow(),
+            )
+            for part in chunked(_pks(pks))
+        )
 
     def claim_is_stale(self, row: Any, ttl: timedelta) -> bool:
         """Whether the row is ``reverting`` under a claim older than ``ttl``, by the

@@ -25,7 +25,7 @@ from django.utils import timezone
 from .conf import ledger_settings
 from .db import causal_reads, drop_if_dead, dropping_dead, in_transaction
 from .models import EventRun, EventRunLog, EventRunResource, EventRunStep
-from .states import RUN_TERMINAL, UNRESOLVED, CleanupStatus, ResourceStatus, StepStatus
+from .states import RESOLVED_FOR_GOOD, RUN_TERMINAL, UNRESOLVED, CleanupStatus, StepStatus
 
 #: Runs per batch, each batch one short transaction: its locks are held for one batch only.
 DEFAULT_BATCH = 200
@@ -143,7 +143,7 @@ class History:
         return {
             "log": EventRunLog.objects.using(self.using).filter(run_id__in=ids),
             "resources": EventRunResource.objects.using(self.using).filter(
-                run_id__in=ids, status=ResourceStatus.REVERTED
+                run_id__in=ids, status__in=RESOLVED_FOR_GOOD
             ),
             "steps": EventRunStep.objects.using(self.using)
             .filter(run_id__in=ids)

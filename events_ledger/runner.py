@@ -4,16 +4,19 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 
-from .db import refuse_callers_transaction, storable, storable_json
+from .conf import ledger_settings
+from .db import bounded, refuse_callers_transaction, storable, storable_json
 from .ledger import StepResult, execute_step
-from .models import EventRun, EventRunLog, EventRunStep
-from .states import RUN_TERMINAL, InvalidTransition, RunStatus, StepStatus
+from .models import EventRun, EventRunLog, EventRunResource, EventRunStep
+from .querysets import new_token
+from .states import RUN_TERMINAL, InvalidTransition, ResourceStatus, RunStatus, StepStatus
 
 logger = logging.getLogger("events_ledger")
 
@@ -234,9 +237,7 @@ def end_run(
         raise InvalidTransition(
             f"{status!r} does not end a run (a run ends {', '.join(RUN_TERMINAL)})"
         )
-    reason = storable(reason).strip()[:MAX_REASON]
-    if not reason:
-        raise ValueError("ending a run by hand needs a reason")
+    reason = _reason(reason, "ending a run by hand")
     with transaction.atomic():
         ended = EventRun.objects.transition(
             run, status, from_=(RunStatus.PENDING, RunStatus.RUNNING)
@@ -248,3 +249,58 @@ def end_run(
                 storable_json({"status": status, "by": actor, "reason": reason}),
             )
     return ended
+
+
+def _reason(reason: str, what: str) -> str:
+    reason = storable(reason).strip()[:MAX_REASON]
+    if not reason:
+        raise ValueError(f"{what} needs a reason")
+    return reason
+
+
+#: The log entry of a row an operator resolved by hand.
+RESOLVED_BY_HAND = "resource.resolved_by_hand"
+
+
+def resolve_by_hand(
+    rows: Iterable[EventRunResource | int], *, actor: str, reason: str
+) -> list[int]:
+    """An operator resolves ledger rows without calling their module: the other value
+    stays ("keep it"), or the object is gone ("I checked"). Rows of ended runs that are
+    unresolved and not being given back become ``resolved`` in one conditional UPDATE
+    (a ``reverting`` row only once its claim is stale), with who and why on each run's
+    log and in the row's error, in one transaction; each run's summary is then derived
+    again, so earlier phases that waited behind a resolved row go back at the next sweep
+    (C8). Answers the rows this call resolved (empty: none could be).
+
+    Raises ``ValueError`` without a reason."""
+    reason = _reason(reason, "resolving a row by hand")
+    ids = [getattr(row, "pk", row) for row in rows]
+    token = new_token()
+    note = storable(f"resolved by hand by {actor}: {reason}")[:500]
+    with transaction.atomic():
+        count = EventRunResource.objects.resolve_by_hand(
+            ids, token, note, ledger_settings.REVERT_CLAIM_TTL
+        )
+        if not count:
+            return []
+        by_run: dict[int, list[str]] = {}
+        resolved = []
+        for pk, run_id, kind, ref in EventRunResource.objects.filter(
+            claim_token=token, status=ResourceStatus.RESOLVED
+        ).values_list("pk", "run_id", "kind", "ref"):
+            by_run.setdefault(run_id, []).append(f"{kind}:{ref}")
+            resolved.append(pk)
+        for run_id, refs in sorted(by_run.items()):
+            EventRunLog.objects.write(
+                run_id,
+                RESOLVED_BY_HAND,
+                storable_json({"resources": bounded(refs), "by": actor, "reason": reason}),
+            )
+        EventRun.objects.settle_cleanups(
+            sorted(by_run),
+            ledger_settings.MAX_REVERT_ATTEMPTS,
+            ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
+            ledger_settings.GIVE_BACK_IN_ORDER,
+        )
+    return sorted(resolved)

@@ -53,6 +53,9 @@ class ResourceStatus(models.TextChoices):
     REVERTED = "reverted"
     ORPHANED = "orphaned"
     DRIFTED = "drifted"
+    #: An operator resolved it by hand, without a call (kept the other value, checked
+    #: it is gone): released and resolved, with who and why on the run's log.
+    RESOLVED = "resolved"
 
 
 #: The one ``kind`` the app owns: a step in flight, keyed by its idempotency key.
@@ -70,6 +73,15 @@ HELD = (
 RELEASED_UNCLEAN = (ResourceStatus.ORPHANED.value, ResourceStatus.DRIFTED.value)
 #: Everything that still wants a retry or a human.
 UNRESOLVED = (*HELD, *RELEASED_UNCLEAN)
+#: What an operator may resolve by hand: every unresolved status but ``reverting``,
+#: which only a stale claim makes resolvable (a call may still be giving it back).
+RESOLVABLE = (
+    ResourceStatus.PENDING.value,
+    ResourceStatus.CONFIRMED.value,
+    *RELEASED_UNCLEAN,
+)
+#: Rows that owe nothing any more: given back, or resolved by an operator.
+RESOLVED_FOR_GOOD = (ResourceStatus.REVERTED.value, ResourceStatus.RESOLVED.value)
 #: The rows reconcile asks about.
 LIVE = (ResourceStatus.PENDING.value, ResourceStatus.CONFIRMED.value)
 

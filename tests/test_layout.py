@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "management.commands.reconcile_resources",
             "management.commands.prune_ledger",
             "management.commands.end_run",
+            "management.commands.resolve_rows",
         },
     ),
     ("start-up and the public face", {"apps", "__init__"}),

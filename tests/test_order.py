@@ -214,3 +214,51 @@ def test_the_claims_form_for_mysql_keeps_the_order_too(world):  # C8
     assert claims and all(") AS blocked" in sql for sql in claims), claims
     assert cleanup_run(run).rounds == 3
     assert given_back() == ["rate", "creatures", "arena"]
+
+
+# ── the operator resolves a row by hand ──
+
+
+def test_a_drifted_later_phase_resolved_by_hand_lets_the_earlier_ones_go_back(
+    world,
+):  # C8, rule 2, #35: "keep the other value", without a call
+    from events_ledger import resolve_by_hand, snapshot
+    from events_ledger.models import EventRunLog
+
+    run = arena_run()
+    RegionSetting.objects.filter(region="pit").update(spawn_rate=42)  # a game master's value
+    for _ in range(MAX_ATTEMPTS):
+        sweep()
+    run.refresh_from_db()
+    rate = Res.get(run=run, kind="override")
+    assert (run.cleanup_status, rate.status) == ("incomplete", "drifted")
+    assert snapshot().incomplete_runs == 1
+    asked = len(given_back())
+    # Not a row of a run still going, not one being given back, not without a reason.
+    with pytest.raises(ValueError, match="reason"):
+        resolve_by_hand([rate], actor="ops:ana", reason="  ")
+    going = new_run(name="going")
+    held = Res.create(
+        run=going, owner_module="world", kind="creature", ref="going-1", status="confirmed"
+    )
+    assert resolve_by_hand([rate, held], actor="ops:ana", reason="the GM keeps 42") == [rate.pk]
+    rate.refresh_from_db()
+    held.refresh_from_db()
+    assert rate.status == "resolved" and "ops:ana" in rate.last_error and held.status == "confirmed"
+    assert EventRunLog.objects.get(run=run, kind="resource.resolved_by_hand").detail == {
+        "resources": ["override:world.spawn_rate#pit"],
+        "by": "ops:ana",
+        "reason": "the GM keeps 42",
+    }
+    run.refresh_from_db()
+    assert run.cleanup_status == "pending" and snapshot().incomplete_runs == 0
+    # No module was asked; the earlier phases go back at the next sweep, in order.
+    assert len(given_back()) == asked
+    while sweep().runs:
+        pass
+    run.refresh_from_db()
+    assert run.cleanup_status == "complete"
+    assert given_back()[asked:] == ["creatures", "arena"]
+    assert RegionSetting.objects.get(region="pit").spawn_rate == 42
+    assert not Creature.objects.exists() and not Arena.objects.exists()
+    assert resolve_by_hand([rate], actor="ops:ana", reason="again") == []  # once

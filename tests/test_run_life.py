@@ -3,6 +3,8 @@ moves of its state machine, named when refused, and a status the database refuse
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.db import IntegrityError, transaction
 
@@ -338,3 +340,65 @@ def test_a_run_left_running_behind_a_late_step_is_ended_by_the_sweep(
     assert run.status == to and run.cleanup_status in ("complete", "not_required")
     assert run.log.filter(kind=f"run.{to}", detail__by="sweep").exists()
     assert not sweep().finished_runs  # once
+
+
+def test_rows_are_resolved_by_hand_from_the_console_and_the_command(isolated_registry):  # S1, S3
+    import json
+    from io import StringIO
+
+    from django.contrib.admin.models import LogEntry
+    from django.contrib.auth.models import Permission, User
+    from django.core.management import CommandError, call_command
+    from django.test import Client
+    from django.urls import reverse
+
+    from tests.factories import ResourceFactory, RunFactory
+
+    run = RunFactory(status="cancelled", cleanup_status="incomplete")
+    drifted = ResourceFactory(run=run, kind="override", ref="rate#a", status="drifted")
+    gone = ResourceFactory(run=run, kind="creature", ref="wolf-9", status="confirmed")
+    url = reverse("admin:events_ledger_eventrunresource_changelist")
+    viewer = User.objects.create_user("viewer", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_eventrunresource"))
+    client = Client()
+    client.force_login(viewer)
+    data = {"action": "resolve_rows_by_hand", "_selected_action": [drifted.pk]}
+    client.post(url, {**data, "post": "yes", "reason": "keep it"})
+    assert type(drifted).objects.get(pk=drifted.pk).status == "drifted"  # no permission
+    viewer.user_permissions.add(Permission.objects.get(codename="resolve_by_hand"))
+    page = client.post(url, {**data, "index": 0})
+    assert page.status_code == 200 and "Yes, resolve them" in page.content.decode()
+    client.post(url, {**data, "post": "yes", "reason": ""})
+    assert type(drifted).objects.get(pk=drifted.pk).status == "drifted"  # no reason
+    client.post(url, {**data, "post": "yes", "reason": "the GM keeps it"})
+    assert type(drifted).objects.get(pk=drifted.pk).status == "resolved"
+    assert run.log.get(kind="resource.resolved_by_hand").detail["by"] == "viewer"
+    assert LogEntry.objects.filter(object_id=str(drifted.pk), change_message__contains="GM")
+
+    def command(*args: str) -> tuple[int, str, str]:
+        out, err = StringIO(), StringIO()
+        try:
+            call_command("resolve_rows", *args, stdout=out, stderr=err)
+            return 0, out.getvalue(), err.getvalue()
+        except CommandError as exc:
+            return exc.returncode, out.getvalue(), str(exc)
+
+    code, _, err = command("987654", "--reason", "x")
+    assert code == 2 and "no ledger row 987654" in err
+    code, out, _ = command(str(gone.pk), "--reason", "checked: gone", "--actor", "ops", "--json")
+    assert code == 0 and json.loads(out) == {"resolved": [gone.pk], "by": "ops", "left": {}}
+    code, _, err = command(str(gone.pk), "--reason", "again")
+    assert code == 2 and f"{gone.pk} (resolved)" in err
+    run.refresh_from_db()
+    assert run.cleanup_status == "complete"
+
+
+def test_a_run_whose_row_was_resolved_by_hand_is_pruned_whole():  # retention, #35
+    from events_ledger.models import EventRunResource
+    from events_ledger.retention import prune
+    from tests.test_retention import history
+
+    [run_id] = history(1)
+    EventRunResource.objects.filter(run_id=run_id).update(status="resolved")
+    report = prune(older_than=timedelta(days=30))
+    assert report.runs == 1 and not EventRun.objects.filter(pk=run_id).exists()
