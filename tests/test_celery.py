@@ -124,6 +124,7 @@ class Workers:
         concurrency: int = 2,
         first: int = 0,
         wait: bool = True,
+        options: tuple[str, ...] = (),
         **extra: str,
     ) -> list[str]:
         names = [f"w{i}-{os.getpid()}@ledger" for i in range(first, first + n)]
@@ -131,7 +132,7 @@ class Workers:
             self._start(
                 name,
                 ["worker", "--pool", "prefork", "--concurrency", str(concurrency), "-n", name]
-                + ["-l", "warning", "--without-gossip", "--without-mingle"],
+                + ["-l", "warning", "--without-gossip", "--without-mingle", *options],
                 **extra,
             )
         if wait:
@@ -278,6 +279,87 @@ def test_a_sweep_past_its_soft_time_limit_asks_each_key_once(
             "status", "revert_attempts"
         )
     ) == {("reverted", 0)}
+
+
+def _cancelled_two_key_run() -> EventRun:
+    run = new_run(name="two keys", status="running")
+    for seq, region in enumerate(("north", "south")):
+        assert execute_step(spawn_step(run, region, count=1, seq=seq)).outcome == "done"
+    EventRun.objects.transition(run, "cancelled", from_="running")
+    return run
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_pool_process_that_ends_after_an_interrupted_sweep_leaves_one_call_at_a_time(
+    world, celery_app, workers
+):  # C4, R5: max_tasks_per_child=1 after a soft time limit
+    """The pool process ends after its one task, while the interrupted pass's call still
+    waits in the world: the call ends with it. Its rows are asked again only after that
+    process is gone (their claim stale), never beside the first call."""
+    import json
+
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from events_ledger.celery import sweep_task
+
+    ttl = json.dumps({"STEP_CLAIM_TTL": CLAIM_TTL_S, "REVERT_CLAIM_TTL": 3})
+    workers.start(
+        celery_app,
+        1,
+        concurrency=1,
+        options=("--max-tasks-per-child", "1"),
+        LEDGER_CHILD_SETTINGS=ttl,
+    )
+    run = _cancelled_two_key_run()
+    world.switch_on("despawn.wait")
+    with pytest.raises(SoftTimeLimitExceeded):
+        sweep_task.apply_async(soft_time_limit=1).get(timeout=PATIENCE_S)
+    first = {c.idempotency_key: c for c in Call.objects.filter(verb="despawn")}
+    [pid] = {c.pid for c in first.values()}
+    wait_until(lambda: not _alive(pid), "the pool process to end after its one task")
+    gone_at = timezone.now()
+    world.switch_off("despawn.wait")
+    wait_until(
+        lambda: (
+            sweep_task.delay().get(timeout=PATIENCE_S) is not None
+            and not EventRunResource.objects.filter(run=run).exclude(status="reverted").exists()
+        ),
+        "the rows given back by a later pool process",
+    )
+    for call in Call.objects.filter(verb="despawn").exclude(pk__in=[c.pk for c in first.values()]):
+        # A second call of a key began only once the first call's process was gone.
+        assert call.pid != pid and call.created_at >= gone_at, call
+    assert set(
+        EventRunResource.objects.filter(run=run, kind="creature").values_list("status", flat=True)
+    ) == {"reverted"}
+
+
+def test_a_warm_shutdown_lets_the_pass_end_and_write_its_verdicts(
+    world, celery_app, workers
+):  # C4, R5: SIGTERM of a Celery worker while a sweep's calls run
+    from events_ledger.celery import sweep_task
+
+    [name] = workers.start(celery_app, 1, concurrency=1)
+    run = _cancelled_two_key_run()
+    world.switch_on("despawn.wait")
+    answer = sweep_task.delay()
+    wait_until(lambda: Call.objects.filter(verb="despawn").exists(), "the sweep inside despawn")
+    workers.by_name[name].send_signal(signal.SIGTERM)  # warm: the running task may end
+    world.switch_off("despawn.wait")
+    assert answer.get(timeout=PATIENCE_S)["runs"] == 1
+    assert workers.by_name[name].wait(PATIENCE_S) == 0
+    keys = list(Call.objects.filter(verb="despawn").values_list("idempotency_key", flat=True))
+    assert len(keys) == len(set(keys)) == 2
+    assert set(
+        EventRunResource.objects.filter(run=run, kind="creature").values_list("status", flat=True)
+    ) == {"reverted"}
 
 
 def _overlaps(killed: dict[int, datetime]) -> list[str]:

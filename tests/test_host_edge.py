@@ -970,3 +970,30 @@ def test_a_lost_reply_to_the_summaries_commit_still_reports_and_signals_the_pass
     assert state["lost"] == 1 and calls == ["perform", "revert"]
     assert (summary.reverted, summary.cleanup_status) == (1, "complete")
     assert completed == [run.pk]
+
+
+@world_db
+def test_an_interrupt_while_the_verdicts_are_written_keeps_them_in_hand(
+    isolated_registry, monkeypatch
+):  # C4, rule 1: a BaseException during the write dropped the module's answers
+    import events_ledger.cleanup as cleanup
+
+    calls = _calls(isolated_registry)
+    run = _ended_run()
+    real = cleanup._write_verdicts
+    raised: list[int] = []
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        if not raised:
+            raised.append(1)
+            raise KeyboardInterrupt  # Ctrl-C, or a host's BaseException, mid-write
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cleanup, "_write_verdicts", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cleanup_run(run)
+    assert len(cleanup._backlog) == 1  # on a419c07: 0, the answer gone with the interrupt
+    assert Res.get(run=run, kind="thing").status == "reverting"
+    sweep()  # written first, not asked again
+    assert calls == ["perform", "revert"] and len(cleanup._backlog) == 0
+    assert Res.get(run=run, kind="thing").status == "reverted"
