@@ -412,6 +412,23 @@ def check_build(args: list[str], where: str) -> None:
         raise DocError(f"{where}: python -m build refuses {shlex.join(args)!r}: {exc}") from None
 
 
+def check_wheel(args: list[str], where: str) -> None:
+    """``pip wheel --no-deps --wheel-dir DIR git+file:///CLONE``: the wheel built from a copy
+    of a clone's commit, nothing written into the clone."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="pip wheel", exit_on_error=False)
+    parser.add_argument("source")
+    parser.add_argument("--no-deps", action="store_true")
+    parser.add_argument("--wheel-dir", "-w", required=True)
+    try:
+        found = parser.parse_args(args)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise DocError(f"{where}: pip wheel refuses {shlex.join(args)!r}: {exc}") from None
+    if not (found.no_deps and found.source.startswith("git+file:///")):
+        raise DocError(f"{where}: pip wheel --no-deps from a git+file:/// clone, not {args!r}")
+
+
 CRON_FIELDS = [  # (low, high, names)
     (0, 59, []),
     (0, 23, []),
@@ -621,6 +638,9 @@ class PageRun:
             len(words) > 3 and is_python(words[0]) and words[1:4] == ["-m", "pip", "install"]
         ):
             check_pip(words if words[0] == "pip" else words[2:], where)
+            return subprocess.CompletedProcess(words, 0, "", "")
+        if words[:2] == ["pip", "wheel"]:
+            check_wheel(words[2:], where)  # run for real by tests/test_install.py
             return subprocess.CompletedProcess(words, 0, "", "")
         if len(words) > 2 and is_python(words[0]) and words[1:3] == ["-m", "build"]:
             check_build(words[3:], where)  # run for real by tests/test_install.py

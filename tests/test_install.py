@@ -261,19 +261,25 @@ def test_a_new_project_follows_the_docs_to_a_celery_run_a_sweep_metrics_and_heal
         for k, v in os.environ.items()
         if k not in ("PYTHONPATH", "DJANGO_SETTINGS_MODULE", "DATABASE_URL")
     }
-    # quickstart.md, "Install": the wheel built once into a directory of one's own.
+    # quickstart.md, "Install": the wheel built once into a directory of one's own, from a
+    # copy of the clone's last commit: nothing is written into the clone (#35).
     wheels = tmp_path / "wheels"
+    before = sorted(p.name for p in ROOT.iterdir())
     sh(
         sys.executable,
         "-m",
-        "build",
-        "--wheel",
-        "--outdir",
+        "pip",
+        "wheel",
+        "-q",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--wheel-dir",
         str(wheels),
-        str(ROOT),
+        f"git+file://{ROOT}",
         cwd=tmp_path,
         env=env,
     )
+    assert sorted(p.name for p in ROOT.iterdir()) == before, "the build wrote into the clone"
     # A new environment that sees this one's packages (Django, Celery, the extras), but
     # not the checkout: the app comes from the wheel, found by its name with --find-links.
     venv = tmp_path / "venv"
