@@ -359,12 +359,19 @@ class EventRunAdmin(LedgerAdmin):
             if behind and not rows_visible:
                 behind = {**behind, "resources": []}
             waits = behind["row_ids"] if behind else set()
+            stuck = (
+                [(r, r.pk in waits) for r in Res.unresolved_for_run(obj)] if incomplete else []
+            )
             context.update(
                 steps=steps,
                 # #15: the same steps and rows, drawn on one time axis.
                 # #25: "not drawn" counts what the run changed, not its @step placeholders.
                 timeline=run_timeline(
-                    obj, steps, rows, total_rows=Res.filter(run=obj).exclude(kind=STEP_KIND).count()
+                    obj,
+                    steps,
+                    rows,
+                    total_rows=Res.filter(run=obj).exclude(kind=STEP_KIND).count(),
+                    waiting=waits,
                 ),
                 ledger=[
                     (r, when(claim_stamp(r)) if r.status == ResourceStatus.REVERTING else "")
@@ -372,9 +379,10 @@ class EventRunAdmin(LedgerAdmin):
                 ],
                 ledger_total=total,
                 log=[(e, as_lines(e.detail)) for e in log],
-                stuck=[(r, r.pk in waits) for r in Res.unresolved_for_run(obj)]
-                if incomplete
-                else [],
+                stuck=stuck,
+                # The banner counts what failed, not what only waits behind it (C8).
+                failed_count=sum(1 for _, w in stuck if not w),
+                waiting_count=sum(1 for _, w in stuck if w),
                 behind=behind,
                 can_retry=self.has_retry_cleanup_permission(request) and obj.is_terminal,
                 page_limit=PAGE_LIMIT,

@@ -257,10 +257,12 @@ def run_timeline(
     now: datetime | None = None,
     total_rows: int | None = None,
     width: int = 960,
+    waiting: set[int] | frozenset[int] = frozenset(),
 ) -> Timeline:
     """A run's steps (created → settled) and its ledger rows (recorded → given back, or
     orphaned, drifted, or still held), on one time axis from the run's creation to its
-    end (or now, while anything is still open)."""
+    end (or now, while anything is still open). ``waiting``: rows that only wait behind a
+    later phase (C8), drawn as such, not as stuck."""
     now = now or timezone.now()
     left, right, lane, head = 230, 16, 20, 26
     # #25: the @step placeholders are the ledger's bookkeeping, not what the run changed.
@@ -295,8 +297,12 @@ def run_timeline(
     def row_status(r: EventRunResource) -> str:
         # #25: a row the sweep has given up on (attempts or claims spent, or its run
         # incomplete) is stuck: red, not the amber of a row simply held.
+        spent = r.is_spent(max_attempts, max_claims)
+        if r.status in UNRESOLVED and r.pk in waiting and not spent:
+            # C8: never tried, only waiting for a later phase to go first: not a failure.
+            return "behind"
         stuck = r.status in UNRESOLVED and (
-            r.is_spent(max_attempts, max_claims) or run.cleanup_status == CleanupStatus.INCOMPLETE
+            spent or run.cleanup_status == CleanupStatus.INCOMPLETE
         )
         return "stuck" if stuck else r.status
 

@@ -402,3 +402,35 @@ def test_a_run_whose_row_was_resolved_by_hand_is_pruned_whole():  # retention, #
     EventRunResource.objects.filter(run_id=run_id).update(status="resolved")
     report = prune(older_than=timedelta(days=30))
     assert report.runs == 1 and not EventRun.objects.filter(pk=run_id).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rows_waiting_behind_a_failed_later_phase_are_drawn_and_counted_as_waiting(
+    world, admin_client
+):  # C8, #35: 7 "could not be given back" where 2 failed, and all drawn red
+    import re
+
+    from django.urls import reverse
+
+    from events_ledger import sweep
+    from tests.helpers import phased_run
+
+    run = phased_run("pit")
+    world.switch_on("rate.restore_fail")
+    for _ in range(3):
+        sweep()
+    run.refresh_from_db()
+    assert run.cleanup_status == "incomplete"
+    page = admin_client.get(reverse("admin:events_ledger_eventrun_change", args=[run.pk]))
+    html = page.content.decode()
+    heading = re.search(r'id="el-incomplete">\s*<h2>(.*?)</h2>', html, re.S)[1]
+    assert " ".join(heading.split()) == (
+        "Cleanup is incomplete: 1 resource could not be given back; 4 more wait behind them"
+    )
+    drawn = re.findall(r'data-status="([a-z_]+)">\s*<text[^>]*>([^<]*)</text>', html)
+    by_kind: dict[str, set[str]] = {}
+    for status, label in drawn:
+        by_kind.setdefault(label.split(":")[0].strip(), set()).add(status)
+    assert by_kind.get("override") == {"stuck"}, drawn
+    assert by_kind.get("creature") == {"behind"} and by_kind.get("arena") == {"behind"}, drawn
+    assert "waits behind a later phase" in html and "the run began / ended" in html
