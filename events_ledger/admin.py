@@ -264,13 +264,6 @@ class EventRunAdmin(LedgerAdmin):
         # S3: the count in the same query as the runs, never one query per row.
         return cast(EventRunQuerySet, super().get_queryset(request)).with_unresolved_count()
 
-    def has_delete_permission(self, request: HttpRequest, obj: EventRun | None = None) -> bool:
-        # #25: a run that has not ended or owes anything is not even offered for deletion;
-        # the FK of its rows is PROTECT too.
-        if obj is not None and self.why_kept(obj) is not None:
-            return False
-        return super().has_delete_permission(request, obj)
-
     def why_kept(self, run: EventRun) -> str | None:
         """Why the console will not delete ``run`` (#25), or None: it must have ended,
         its cleanup be complete (or never required), and the ledger remember nothing of
@@ -285,10 +278,15 @@ class EventRunAdmin(LedgerAdmin):
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> Any:
         """delete_selected and the delete page both ask this: a run the console keeps is
-        listed as protected, with the reason, and nothing is deleted. What a deletable
+        listed as protected, with the reason, on Django's own "Cannot delete" page, and
+        nothing is deleted (a permission refused per run gave a bare 403, or "your
+        account doesn't have permission" to a superuser, without the reason). What a deletable
         run takes with it (its steps and log) is listed by Django's confirmation page, and
         the deletion is written to the admin's history (LogEntry)."""
         deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        # Ledger rows are deleted by nobody: a run that has any is kept, with the reason
+        # below, rather than the generic "no permission to delete event run resources".
+        perms_needed = set(perms_needed) - {str(Res.model._meta.verbose_name)}
         for run in objs:
             reason = self.why_kept(run)
             if reason is not None:
