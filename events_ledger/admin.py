@@ -357,9 +357,7 @@ class EventRunAdmin(LedgerAdmin):
             if behind and not rows_visible:
                 behind = {**behind, "resources": []}
             waits = behind["row_ids"] if behind else set()
-            stuck = (
-                [(r, r.pk in waits) for r in Res.unresolved_for_run(obj)] if incomplete else []
-            )
+            stuck = [(r, r.pk in waits) for r in Res.unresolved_for_run(obj)] if incomplete else []
             context.update(
                 steps=steps,
                 # #15: the same steps and rows, drawn on one time axis.

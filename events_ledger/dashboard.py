@@ -301,9 +301,7 @@ def run_timeline(
         if r.status in UNRESOLVED and r.pk in waiting and not spent:
             # C8: never tried, only waiting for a later phase to go first: not a failure.
             return "behind"
-        stuck = r.status in UNRESOLVED and (
-            spent or run.cleanup_status == CleanupStatus.INCOMPLETE
-        )
+        stuck = r.status in UNRESOLVED and (spent or run.cleanup_status == CleanupStatus.INCOMPLETE)
         return "stuck" if stuck else r.status
 
     starts = [
