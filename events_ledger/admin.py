@@ -88,6 +88,16 @@ def as_json(value: Any, indent: int | None = None) -> str:
     )
 
 
+#: How much of a step's params its row on the run page shows (the rest: its log, the API).
+ASKED_LIMIT = 300
+
+
+def asked(params: Any) -> str:
+    """A step's params on one line, cut at ``ASKED_LIMIT``: what it was asked to do."""
+    text = json.dumps(params, cls=DjangoJSONEncoder, sort_keys=True, ensure_ascii=False)
+    return text if len(text) <= ASKED_LIMIT else text[: ASKED_LIMIT - 1] + "…"
+
+
 def as_lines(value: Any, indent: str = "") -> str:
     """A log entry's detail as an operator reads it (#25): one ``key: value`` line per key,
     keys sorted, nested mappings indented under their key, lists of plain values joined
@@ -358,8 +368,15 @@ class EventRunAdmin(LedgerAdmin):
                 behind = {**behind, "resources": []}
             waits = behind["row_ids"] if behind else set()
             stuck = [(r, r.pk in waits) for r in Res.unresolved_for_run(obj)] if incomplete else []
+            # What each step was asked to do: its params, and for a lease the value it
+            # found (baseline) and the one it applied, read from the lease's row.
+            leased = {
+                r.step_id: (r.payload.get("baseline"), r.payload.get("applied"))
+                for r in rows
+                if r.step_id and isinstance(r.payload, dict) and "baseline" in r.payload
+            }
             context.update(
-                steps=steps,
+                steps=[(step, asked(step.params), leased.get(step.pk)) for step in steps],
                 # #15: the same steps and rows, drawn on one time axis.
                 # #25: "not drawn" counts what the run changed, not its @step placeholders.
                 timeline=run_timeline(

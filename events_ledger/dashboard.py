@@ -281,6 +281,7 @@ def run_timeline(
     edge = last if ended else now
     max_attempts = ledger_settings.MAX_REVERT_ATTEMPTS
     max_claims = ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT
+    phased = len({s.phase for s in shown_steps}) > 1
 
     def step_end(s: EventRunStep) -> tuple[datetime, bool]:
         done = s.status in (StepStatus.DONE, StepStatus.FAILED, StepStatus.REFUSED)
@@ -353,7 +354,10 @@ def run_timeline(
             f"{_when(s.created_at)} → {'still ' + s.status if still else _when(end)}"
         )
         status = "cancelled" if never else s.status
-        add("step", f"#{s.seq} · {s.action_id}", status, s.created_at, end, still, title)
+        # The phase too, in a run of several: seq starts again in each phase, and
+        # "#0 · action" read three times.
+        name = f"{s.phase} #{s.seq}" if phased else f"#{s.seq}"
+        add("step", f"{name} · {s.action_id}", status, s.created_at, end, still, title)
     rows_y = None
     if shown_rows:
         y += 10 if shown_steps else 0

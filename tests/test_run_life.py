@@ -434,3 +434,26 @@ def test_rows_waiting_behind_a_failed_later_phase_are_drawn_and_counted_as_waiti
     assert by_kind.get("override") == {"stuck"}, drawn
     assert by_kind.get("creature") == {"behind"} and by_kind.get("arena") == {"behind"}, drawn
     assert "waits behind a later phase" in html and "the run began / ended" in html
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_run_page_says_what_each_step_was_asked_and_which_phase_it_is(
+    world, admin_client
+):  # S3, #35: no params, no lease values, "#0 · action" three times
+    from django.urls import reverse
+
+    from tests.helpers import phased_run
+
+    run = phased_run("pit")
+    html = admin_client.get(
+        reverse("admin:events_ledger_eventrun_change", args=[run.pk])
+    ).content.decode()
+    assert (
+        "{&quot;count&quot;: 3, &quot;kind&quot;: &quot;wolf&quot;, &quot;region&quot;: &quot;pit&quot;}"
+        in html
+    )
+    assert "found 1, applied 9" in html  # the lease's baseline and the value it applied
+    import re
+
+    labels = re.findall(r'el-lane-step" data-status="[a-z_]+">\s*<text[^>]*>([^<]*)</text>', html)
+    assert [label.split(" #")[0] for label in labels] == ["arena", "creatures", "rate"], labels
