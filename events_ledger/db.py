@@ -140,12 +140,19 @@ def _driver_error(exc: BaseException) -> BaseException:
     return exc.__cause__ or exc
 
 
+def _state(err: BaseException) -> str | None:
+    """PostgreSQL's SQLSTATE as either driver has it: psycopg 3's ``sqlstate``, psycopg2's
+    ``pgcode`` (read as the first only, a held target was an IntegrityError on psycopg2,
+    and no deadlock or lock timeout was ever recognised)."""
+    return getattr(err, "sqlstate", None) or getattr(err, "pgcode", None)
+
+
 def is_unique_violation(exc: BaseException) -> bool:
     err = _driver_error(exc)
     code = getattr(err, "args", (None,))[0] if getattr(err, "args", None) else None
     if code == 1062:  # MySQL ER_DUP_ENTRY
         return True
-    if getattr(err, "sqlstate", None) == "23505":  # PostgreSQL unique_violation
+    if _state(err) == "23505":  # PostgreSQL unique_violation
         return True
     return "UNIQUE constraint failed" in str(err)
 
@@ -158,7 +165,7 @@ def is_deadlock(exc: BaseException) -> bool:
     if code == 1213:  # MySQL deadlock (and Galera's certification failure)
         return True
     # PostgreSQL's deadlock and serialization failure.
-    if getattr(err, "sqlstate", None) in ("40P01", "40001"):
+    if _state(err) in ("40P01", "40001"):
         return True
     # SQLite's deferred transaction that read first and then wants to write fails at
     # once with SQLITE_BUSY when another connection writes: a deadlock by another name
@@ -176,7 +183,7 @@ def is_held(exc: BaseException) -> bool:
     code = err.args[0] if getattr(err, "args", None) else None
     if code in (1205, 1317, 1969, 3024):
         return True
-    return getattr(err, "sqlstate", None) in ("55P03", "57014")
+    return _state(err) in ("55P03", "57014")
 
 
 def is_connection_lost(exc: BaseException) -> bool:
@@ -187,8 +194,8 @@ def is_connection_lost(exc: BaseException) -> bool:
     code = err.args[0] if getattr(err, "args", None) else None
     if code in (2006, 2013, 2055):
         return True
-    sqlstate = getattr(err, "sqlstate", None) or ""
-    return sqlstate.startswith("08") or sqlstate in ("57P01", "57P02", "57P03")
+    state = _state(err) or ""
+    return state.startswith("08") or state in ("57P01", "57P02", "57P03")
 
 
 #: Conflicts retried in this process, by what was run again (``statement``,
@@ -319,7 +326,7 @@ def driver_code(exc: BaseException) -> Any:
 
 def sqlstate(exc: BaseException) -> str | None:
     """PostgreSQL's SQLSTATE of the error, or None."""
-    return getattr(_driver_error(exc), "sqlstate", None)
+    return _state(_driver_error(exc))
 
 
 def drop_if_dead(exc: BaseException, using: str = "default") -> bool:

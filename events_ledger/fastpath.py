@@ -22,7 +22,7 @@ The fence, after the fault review of #24:
   wait, a retried block's ``START TRANSACTION`` would commit the half that ran.
 
 Off with ``EVENTS_LEDGER["FAST_PATH"] = False``. Only MariaDB through mysqlclient and
-PostgreSQL through psycopg take it: MySQL has no compound statement outside a stored
+PostgreSQL through psycopg 3 take it: MySQL has no compound statement outside a stored
 program (and no MySQL server runs in the tests to prove another form), and SQLite is
 one file on the same machine, where a round trip costs next to nothing. Nothing is prepared on the server: a prepared block is session state,
 which poolers pin and ``CONN_MAX_AGE=0`` prepares again on every connection.
@@ -88,9 +88,11 @@ def enabled(using: str = DEFAULT_DB_ALIAS) -> bool:
 
 def _speaks(conn: Any) -> bool:
     """MariaDB through mysqlclient itself (its result sets are read one by one), or
-    PostgreSQL."""
+    PostgreSQL through psycopg 3. Not psycopg2: its ``nextset()`` raises after the
+    statement has committed, so every step would fall back on its read-back; it takes
+    the general path, tested on it."""
     if conn.vendor == "postgresql":
-        return True
+        return getattr(getattr(conn, "Database", None), "__name__", "") == "psycopg"
     return (
         conn.vendor == "mysql"
         and getattr(getattr(conn, "Database", None), "__name__", "") == "MySQLdb"

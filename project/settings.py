@@ -70,6 +70,13 @@ TEMPLATES = [
 WSGI_APPLICATION = "project.wsgi.application"
 
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}")}
+# psycopg2 beside psycopg 3: Django takes psycopg 3 when it can import it, so a process
+# that must speak psycopg2 (the test suite's second PostgreSQL run) hides it here, before
+# the first connection imports the backend.
+if env("LEDGER_PG_DRIVER", default="psycopg") == "psycopg2":
+    import sys
+
+    sys.modules["psycopg"] = None  # type: ignore[assignment]
 _db = DATABASES["default"]
 # A host that wraps every request in a transaction: `make test` runs the console's tests
 # and the in-flight property machine with it on too (the ledger's commits stay its own).

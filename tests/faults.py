@@ -276,12 +276,13 @@ def direct_query(sql: str, params: Iterable[Any] = (), alias: str = "default") -
 
 
 def error_code(exc: BaseException | None) -> int | str | None:
-    """The server's error of an exception Django raised: a SQLSTATE (psycopg) or a
+    """The server's error of an exception Django raised: a SQLSTATE (psycopg 3's
+    ``sqlstate``, psycopg2's ``pgcode``) or a
     MariaDB error number (MySQLdb), looked up along the chain of causes."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        state = getattr(exc, "sqlstate", None)
+        state = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)  # psycopg2's
         if state:
             return str(state)
         args = getattr(exc, "args", ())
