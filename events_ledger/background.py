@@ -54,6 +54,7 @@ class ClaimKeeper:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._chore: threading.Thread | None = None
+        self._chores_due = False
         self._pid = os.getpid()
 
     def _started(self) -> None:
@@ -146,8 +147,15 @@ class ClaimKeeper:
             # meanwhile is the same as a dead process's, which the TTL is there for.
             logger.warning("could not refresh the claims this process holds", exc_info=True)
         # The chores in a thread of their own: a verdict write may wait on locks for a
-        # while, and the claims must be stamped on time all the same.
-        if self.chores and (self._chore is None or not self._chore.is_alive()):
+        # while, and the claims must be stamped on time all the same. A beat while the
+        # chores run is not lost: they run once more (a late answer kept while the last
+        # one was being written waited a whole beat, a quarter of the TTL).
+        if not self.chores:
+            return
+        with self._lock:
+            self._chores_due = True
+            if self._chore is not None:
+                return
             self._chore = threading.Thread(
                 target=self._do_chores, name="events-ledger:chores", daemon=True
             )
@@ -155,13 +163,23 @@ class ClaimKeeper:
 
     def _do_chores(self) -> None:
         try:
-            for chore in list(self.chores):
-                try:
-                    chore()
-                except Exception:
-                    logger.warning(
-                        "a background chore failed; the next beat tries again", exc_info=True
-                    )
+            while True:
+                with self._lock:
+                    if not self._chores_due:
+                        self._chore = None
+                        return
+                    self._chores_due = False
+                for chore in list(self.chores):
+                    try:
+                        chore()
+                    except Exception:
+                        logger.warning(
+                            "a background chore failed; the next beat tries again", exc_info=True
+                        )
+        except BaseException:
+            with self._lock:
+                self._chore = None
+            raise
         finally:
             try:
                 connections.close_all()
