@@ -1000,3 +1000,30 @@ def test_an_interrupt_while_the_verdicts_are_written_keeps_them_in_hand(
     sweep()  # written first, not asked again
     assert calls == ["perform", "revert"] and len(cleanup._backlog) == 0
     assert Res.get(run=run, kind="thing").status == "reverted"
+
+
+@world_db
+def test_the_keeper_never_restamps_a_row_a_pass_handed_back(isolated_registry):  # C4, R5
+    # A row handed back (stale at LONG_AGO, its claim count given back) re-stamped by the
+    # keeper was claimed again by a hand that no longer calls it, and its count was
+    # given back a second time by the next write.
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from events_ledger.background import keeper
+    from events_ledger.querysets import LONG_AGO
+    from tests.factories import ResourceFactory, RunFactory
+
+    run = RunFactory(status="cancelled", cleanup_status="pending")
+    handed = ResourceFactory(run=run, ref="a", status="reverting", claim_token="t" * 32)
+    held = ResourceFactory(run=run, ref="b", status="reverting", claim_token="t" * 32)
+    Res.filter(pk=handed.pk).update(updated_at=LONG_AGO)
+    Res.filter(pk=held.pk).update(updated_at=timezone.now() - timedelta(minutes=5))
+    keeper.hold_revert("t" * 32)
+    try:
+        keeper.beat()
+    finally:
+        keeper.release_revert("t" * 32)
+    assert Res.get(pk=handed.pk).updated_at == LONG_AGO
+    assert Res.get(pk=held.pk).updated_at > timezone.now() - timedelta(minutes=1)
