@@ -94,7 +94,7 @@ ASKED_LIMIT = 300
 
 def asked(params: Any) -> str:
     """A step's params on one line, cut at ``ASKED_LIMIT``: what it was asked to do."""
-    text = json.dumps(params, cls=DjangoJSONEncoder, sort_keys=True, ensure_ascii=False)
+    text = as_json(params)
     return text if len(text) <= ASKED_LIMIT else text[: ASKED_LIMIT - 1] + "…"
 
 
@@ -146,6 +146,23 @@ class LedgerAdmin(admin.ModelAdmin):
 
     def _has_app_perm(self, request: HttpRequest, codename: str) -> bool:
         return request.user.has_perm(f"{self.opts.app_label}.{codename}")
+
+    def _confirmation(
+        self, request: HttpRequest, title: str, template: str, **extra: Any
+    ) -> TemplateResponse:
+        """An action's confirmation page (``action_confirmation.html`` and its children):
+        the admin's context, the selected objects carried in the form."""
+        context = {
+            **self.admin_site.each_context(request),
+            "title": title,
+            "subtitle": None,
+            "opts": self.opts,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "media": self.media,
+            **extra,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, template, context)
 
     def has_retry_cleanup_permission(self, request: HttpRequest) -> bool:
         return self._has_app_perm(request, "retry_cleanup")
@@ -532,20 +549,15 @@ class EventRunAdmin(LedgerAdmin):
             self.message_user(
                 request, _("Give a terminal status and a reason to end a run."), messages.ERROR
             )
-        context = {
-            **self.admin_site.each_context(request),
-            "title": _("End runs"),
-            "subtitle": None,
-            "opts": self.opts,
-            "runs": runs,
-            "statuses": RUN_TERMINAL,
-            "status": status,
-            "reason": reason,
-            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-            "media": self.media,
-        }
-        request.current_app = self.admin_site.name
-        return TemplateResponse(request, "events_ledger/admin/end_run_confirmation.html", context)
+        return self._confirmation(
+            request,
+            _("End runs"),
+            "events_ledger/admin/end_run_confirmation.html",
+            runs=runs,
+            statuses=RUN_TERMINAL,
+            status=status,
+            reason=reason,
+        )
 
     def _end_one(self, request: HttpRequest, run: EventRun, status: str, reason: str) -> None:
         actor = request.user.get_username()
@@ -691,18 +703,13 @@ class EventRunResourceAdmin(LedgerAdmin):
             return None
         if request.POST.get("post"):
             self.message_user(request, _("Give a reason to resolve rows by hand."), messages.ERROR)
-        context = {
-            **self.admin_site.each_context(request),
-            "title": _("Resolve rows by hand"),
-            "subtitle": None,
-            "opts": self.opts,
-            "rows": rows,
-            "reason": reason,
-            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-            "media": self.media,
-        }
-        request.current_app = self.admin_site.name
-        return TemplateResponse(request, "events_ledger/admin/resolve_confirmation.html", context)
+        return self._confirmation(
+            request,
+            _("Resolve rows by hand"),
+            "events_ledger/admin/resolve_confirmation.html",
+            rows=rows,
+            reason=reason,
+        )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[EventRunResource]:
         return super().get_queryset(request).select_related("run", "step")

@@ -89,19 +89,25 @@ def test_end_run_ends_a_stuck_run_with_who_and_why_and_the_sweep_gives_it_back(
     assert run.cleanup_status == "complete"
 
 
-def test_the_end_run_command(isolated_registry):  # S1, #35: exit statuses and JSON
-    import json
+def _command(name: str, *args: str) -> tuple[int, str, str]:
+    """A ledger command's exit status, output and error, as a cron would see them."""
     from io import StringIO
 
     from django.core.management import CommandError, call_command
 
+    out, err = StringIO(), StringIO()
+    try:
+        call_command(name, *args, stdout=out, stderr=err)
+        return 0, out.getvalue(), err.getvalue()
+    except CommandError as exc:
+        return exc.returncode, out.getvalue(), str(exc)
+
+
+def test_the_end_run_command(isolated_registry):  # S1, #35: exit statuses and JSON
+    import json
+
     def command(*args: str) -> tuple[int, str, str]:
-        out, err = StringIO(), StringIO()
-        try:
-            call_command("end_run", *args, stdout=out, stderr=err)
-            return 0, out.getvalue(), err.getvalue()
-        except CommandError as exc:
-            return exc.returncode, out.getvalue(), str(exc)
+        return _command("end_run", *args)
 
     run = new_run(status="running")
     code, _, err = command("987654", "--reason", "x")
@@ -344,11 +350,9 @@ def test_a_run_left_running_behind_a_late_step_is_ended_by_the_sweep(
 
 def test_rows_are_resolved_by_hand_from_the_console_and_the_command(isolated_registry):  # S1, S3
     import json
-    from io import StringIO
 
     from django.contrib.admin.models import LogEntry
     from django.contrib.auth.models import Permission, User
-    from django.core.management import CommandError, call_command
     from django.test import Client
     from django.urls import reverse
 
@@ -376,12 +380,7 @@ def test_rows_are_resolved_by_hand_from_the_console_and_the_command(isolated_reg
     assert LogEntry.objects.filter(object_id=str(drifted.pk), change_message__contains="GM")
 
     def command(*args: str) -> tuple[int, str, str]:
-        out, err = StringIO(), StringIO()
-        try:
-            call_command("resolve_rows", *args, stdout=out, stderr=err)
-            return 0, out.getvalue(), err.getvalue()
-        except CommandError as exc:
-            return exc.returncode, out.getvalue(), str(exc)
+        return _command("resolve_rows", *args)
 
     code, _, err = command("987654", "--reason", "x")
     assert code == 2 and "no ledger row 987654" in err
