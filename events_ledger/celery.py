@@ -6,7 +6,7 @@ Tasks was mature when this was written, and Celery's ``acks_late`` and
 
 The same work as ``events_ledger.tasks``: each task wraps one function of
 ``events_ledger.jobs``. Registered by name (``events_ledger.run``, ``events_ledger.step``,
-``events_ledger.sweep``, ``events_ledger.reconcile``), so a beat schedule or another
+``events_ledger.sweep``, ``events_ledger.reconcile``, ``events_ledger.prune``), so a beat schedule or another
 service can name them without importing this module.
 """
 

@@ -110,7 +110,7 @@ def _problems(details: bool) -> tuple[str, ...]:
 
 
 class LedgerHealthCheckView(HealthCheckView):
-    """django-health-check's view, whose ``LedgerHealthCheck`` gives its details only to
+    """django-health-check's view, whose ``LedgerNeedsHumanCheck`` gives its details only to
     a staff user who may view runs (``events_ledger.view_eventrun``, the console's
     permission) or a request with the bearer ``METRICS_TOKEN``; anyone else (a load
     balancer, an uptime check) reads the verdict."""

@@ -884,8 +884,10 @@ def exposed_metrics() -> dict[str, set[str]]:
 
     metrics.install()
     out: dict[str, set[str]] = {}
-    for family in metrics.LedgerCollector().describe():
-        out[family.name] = set(family._labelnames)
+    # The history's gauges too: an alert on the archive's age is as checkable as any.
+    for collector in (metrics.LedgerCollector(), metrics.HistoryCollector()):
+        for family in collector.describe():
+            out[family.name] = set(family._labelnames)
     counters = metrics._counters
     assert counters is not None
     for metric in vars(counters).values():
@@ -1096,6 +1098,23 @@ def test_the_settings_page_names_every_key_with_its_default():  # docs, S4
         row = re.search(rf"^\|\s*`{key}`\s*\|\s*(?P<default>[^|]*?)\s*\|", text, re.M)
         assert row, f"settings.md has no row for {key}"
         assert row["default"] == as_written(default), f"settings.md gives {key} another default"
+
+
+#: The rules' ids (R5, C8) and the issues' numbers (#26) belong to the internals page; a
+#: user page says what happens instead (a log line's "step #0" is output, in code).
+INTERNAL_ID = re.compile(r"(?<![\w.])(?:[RWCS]\d{1,2}|#\d+)\b")
+
+
+def user_text(page: str) -> str:
+    """A page's prose: fenced blocks and inline code taken out."""
+    text = re.sub(r"^(```|~~~).*?^\1", "", (DOCS / page).read_text(), flags=re.M | re.S)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+@pytest.mark.parametrize("page", sorted(set(PAGES) - {"internals.md"}) + ["../README.md"])
+def test_user_pages_carry_no_internal_ids(page):  # docs
+    found = INTERNAL_ID.findall(user_text(page))
+    assert not found, f"docs/{page} names {found}: say what it means instead"
 
 
 def test_the_statuses_page_explains_every_status():  # docs
