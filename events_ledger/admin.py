@@ -13,7 +13,7 @@ from django.contrib.admin import helpers
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import models, router, transaction
+from django.db import models, transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.template.response import TemplateResponse
@@ -27,6 +27,7 @@ from django.utils.translation import gettext_lazy, ngettext
 from .cleanup import RunNotTerminal, cleanup_run, plan_run, reconcile_module
 from .conf import ledger_settings
 from .dashboard import DATETIME_FORMAT, TIME_FORMAT, run_timeline, when
+from .db import ledger_db
 from .diagnosis import claim_stamp, diagnose
 from .models import EventRun, EventRunResource, EventRunStep
 from .querysets import EventRunQuerySet, EventRunResourceQuerySet
@@ -192,7 +193,7 @@ class LedgerAdmin(admin.ModelAdmin):
         return urls
 
     def _non_atomic(self, view: Any) -> Any:
-        return transaction.non_atomic_requests(using=router.db_for_write(self.model))(view)
+        return transaction.non_atomic_requests(using=ledger_db())(view)
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False  # the console reads; it changes state only through the services

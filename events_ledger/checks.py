@@ -26,6 +26,7 @@ E009 = "events_ledger.E009"  # a metrics token without prometheus_client
 #: ``INSERT IGNORE`` (rows filed under another owner) and refused by PostgreSQL.
 MAX_OWNER = 64
 W001 = "events_ledger.W001"  # unknown setting key
+W002 = "events_ledger.W002"  # the ledger's own alias, without its router
 
 #: Marked here, translated where it is used (a check runs after translation is set up).
 HINT_REVERT = gettext_noop(
@@ -159,7 +160,35 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
             getattr(ledger_settings, key)
         except ImproperlyConfigured as exc:
             messages.append(Error(str(exc), id=E006))
-    return messages + _feature_errors()
+    return messages + _feature_errors() + _alias_warnings()
+
+
+def _alias_warnings() -> list[Any]:
+    """The ledger on an alias of its own, but ``migrate`` would put its tables on
+    ``default`` too (or not on its alias): the host forgot the router."""
+    from django.core.exceptions import ImproperlyConfigured
+    from django.db import router
+
+    try:
+        alias = ledger_settings.DATABASE
+    except ImproperlyConfigured:
+        return []  # reported above
+    if alias == "default" or (
+        router.allow_migrate(alias, "events_ledger")
+        and not router.allow_migrate("default", "events_ledger")
+    ):
+        return []
+    return [
+        Warning(
+            _(
+                "EVENTS_LEDGER['DATABASE'] is %(alias)r, but migrate would not keep the "
+                "ledger's tables on it alone."
+            )
+            % {"alias": alias},
+            hint=_("Add 'events_ledger.routers.LedgerRouter' to DATABASE_ROUTERS."),
+            id=W002,
+        )
+    ]
 
 
 def _feature_errors() -> list[Any]:

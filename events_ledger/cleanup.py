@@ -13,19 +13,21 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, connections, transaction
 
 from . import signals
 from .background import keeper
 from .conf import ledger_settings
 from .db import (
     CHUNK,
+    InCallersTransaction,
     bounded,
     drop_if_dead,
     dropping_dead,
     in_transaction,
     is_deadlock,
     is_held,
+    ledger_db,
     refuse_callers_transaction,
     retrying_deadlocks,
     statements_retried,
@@ -482,7 +484,7 @@ def _reset_attempts(run: EventRun, actor: str | None) -> int:
     settling and a step's claim take it (run, then its rows): taken the other way round,
     a retry pressed while a sweep settled the run deadlocked and failed (MariaDB 1213,
     found by the in-flight state machine). Redone whole when picked as the victim."""
-    with transaction.atomic():
+    with transaction.atomic(using=ledger_db()):
         EventRun.objects.set_cleanup_status(run, CleanupStatus.PENDING)
         reset = Res.reset_attempts(run)
         EventRunLog.objects.write(run, "cleanup.retry", {"resources": reset, "by": actor})
@@ -846,7 +848,7 @@ def _persistently(fn: Callable[[], T], *, atomic: bool = True) -> T:
     the second finds its verdicts written and reads them back (``verdicts_written``).
     ``atomic=False`` says ``fn`` writes in one statement, atomic by itself: it is sent
     without a transaction around it (#27: three round trips fewer on MariaDB)."""
-    if connection.in_atomic_block:
+    if connections[ledger_db()].in_atomic_block:
         # Inside a caller's transaction a conflict rolled the caller's work back too: it
         # is the caller's to retry (SPEC: deadlocks), not this loop's.
         return in_transaction(fn, tries=1)
@@ -1424,7 +1426,7 @@ def _finish_earlier_passes() -> None:
     """What earlier passes of this process left: verdicts in hand are written first, then
     claims that never reached a module are handed back. Not inside a caller's
     transaction: written there, they would be lost with it if it rolled back."""
-    if connection.in_atomic_block:
+    if connections[ledger_db()].in_atomic_block:
         return
     try:
         held = write_verdicts_in_hand()
@@ -1583,12 +1585,17 @@ def _ask_reconcile(group: Group, action: Action) -> CallResult:
     )
 
 
-def reconcile_all(*, force: bool = False) -> dict[str, ReconcileSummary]:
-    """Ask every module that owns a live row."""
+def reconcile_all(
+    *, force: bool = False, owners: Sequence[str] | None = None
+) -> dict[str, ReconcileSummary]:
+    """Ask every module that owns a live row (or those of ``owners``); a module whose
+    reconcile fails is a summary with the error, and the others are still asked."""
     out: dict[str, ReconcileSummary] = {}
-    for owner in Res.modules_with_live_rows():
+    for owner in Res.modules_with_live_rows() if owners is None else owners:
         try:
             out[owner] = reconcile_module(owner, force=force)
+        except InCallersTransaction:
+            raise  # the caller's transaction, not the module: nothing was asked
         except Exception as exc:
             logger.exception("reconcile of %s failed", owner)
             error = storable(f"{type(exc).__name__}: {exc}")

@@ -56,6 +56,10 @@ DEFAULTS: dict[str, Any] = {
     # made them (the last phase first). False gives every group back at once, in no
     # order, for worlds where nothing depends on anything.
     "GIVE_BACK_IN_ORDER": True,
+    # The alias of DATABASES the ledger's tables live on. Every read and write of the
+    # ledger goes there, whatever a host's router says: a claim decided on a lagging
+    # replica would claim what another sweeper already gave back.
+    "DATABASE": "default",
 }
 
 #: A shorter bearer token is guessable; the check says so at start-up.
@@ -183,6 +187,17 @@ class _Hook(_Setting["Callable[[dict[str, Any]], dict[str, Any]] | None"]):
         raise self.wrong(_("None, a callable or its dotted path"), repr(value))
 
 
+class _Alias(_Setting[str]):
+    def check(self, value: Any) -> str:
+        aliases = sorted(getattr(django_settings, "DATABASES", {}))
+        if not isinstance(value, str) or value not in aliases:
+            must = _("one of the aliases of DATABASES (%(aliases)s)") % {
+                "aliases": ", ".join(aliases)
+            }
+            raise self.wrong(must, repr(value))
+        return value
+
+
 class LedgerSettings:
     """Typed access to ``settings.EVENTS_LEDGER`` with defaults: each key is a typed
     attribute, so a misspelled name is a type error (and an AttributeError), not ``None``.
@@ -209,6 +224,7 @@ class LedgerSettings:
     ARCHIVE = _Path()
     ARCHIVE_REDACT = _Hook()
     GIVE_BACK_IN_ORDER = _Flag()
+    DATABASE = _Alias()
 
     def _user(self) -> dict[str, Any]:
         value = getattr(django_settings, "EVENTS_LEDGER", None) or {}

@@ -11,10 +11,47 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from django.db import DatabaseError, IntegrityError, connections, models, router, transaction
+from django.db import DatabaseError, IntegrityError, connections, models, transaction
 from django.db.models.sql import UpdateQuery
 
 T = TypeVar("T")
+
+
+def ledger_db(using: str | None = None) -> str:
+    """The alias the ledger reads and writes: ``using`` when a caller names one, else
+    ``EVENTS_LEDGER["DATABASE"]``. Never the host's router: its reads may go to a replica."""
+    if using is not None:
+        return using
+    from .conf import ledger_settings
+
+    return ledger_settings.DATABASE
+
+
+class LedgerManager(models.Manager[Any]):
+    """Every query of a ledger model goes to the ledger's alias (``ledger_db``), unless
+    the caller names another with ``using``/``db_manager``. Also the models' base manager,
+    so a related row (``step.run``) and ``refresh_from_db`` are read there too."""
+
+    def get_queryset(self) -> models.QuerySet[Any]:
+        queryset = super().get_queryset()
+        return queryset if self._db else queryset.using(ledger_db())
+
+
+class LedgerModel(models.Model):
+    """A ledger table: an instance is saved and deleted on the ledger's alias, whatever
+    a host's router says for writes (and whatever alias it set on the instance when a
+    related row was assigned), unless the caller names one."""
+
+    class Meta:
+        abstract = True
+
+    def save(self, *args: Any, using: str | None = None, **kwargs: Any) -> None:
+        super().save(*args, using=using or ledger_db(), **kwargs)
+
+    def delete(self, using: str | None = None, keep_parents: bool = False) -> Any:
+        return super().delete(
+            using=using or self._state.db or ledger_db(), keep_parents=keep_parents
+        )
 
 
 class UtcNow(models.Func):
@@ -112,20 +149,22 @@ class InCallersTransaction(RuntimeError):
     nothing claimed and no module called."""
 
 
-def callers_transaction(using: str = "default") -> bool:
+def callers_transaction(using: str | None = None) -> bool:
     """Whether a transaction the ledger did not open is in force on ``using``.
 
     The same test as Django's ``atomic(durable=True)``: a test case's own wrapping
     transaction (``TestCase``, pytest-django's ``db``) is not a caller's, since it is
     there only to be rolled back after the test."""
+    using = ledger_db(using)
     conn = connections[using]
     if conn.in_atomic_block:
         return any(not getattr(block, "_from_testcase", False) for block in conn.atomic_blocks)
     return not conn.get_autocommit()
 
 
-def refuse_callers_transaction(what: str, using: str = "default") -> None:
+def refuse_callers_transaction(what: str, using: str | None = None) -> None:
     """Raise ``InCallersTransaction`` before ``what`` claims anything or calls a module."""
+    using = ledger_db(using)
     if callers_transaction(using):
         raise InCallersTransaction(
             f"{what} calls a module, so its claims must commit before the call; it is "
@@ -221,7 +260,7 @@ def _deadlock_retried(
 
 
 def retrying_deadlocks(
-    fn: Callable[[], T], *, using: str = "default", tries: int = 5, savepoint: bool = True
+    fn: Callable[[], T], *, using: str | None = None, tries: int = 5, savepoint: bool = True
 ) -> T:
     """Run ``fn`` (statements that are each safe on their own), retrying it when the
     database picks it as a deadlock victim.
@@ -232,6 +271,7 @@ def retrying_deadlocks(
     ``savepoint=False`` says ``fn`` cannot be refused (no unique key it may hit), so
     inside a transaction it needs no savepoint (two round trips saved).
     """
+    using = ledger_db(using)
     outer = connections[using].in_atomic_block
 
     def run() -> T:
@@ -265,12 +305,13 @@ def _retry_statement(
 
 
 @contextmanager
-def statements_retried(using: str = "default") -> Iterator[None]:
+def statements_retried(using: str | None = None) -> Iterator[None]:
     """Every autocommitted statement the ledger runs in this block is retried when the
     database picks it as a deadlock victim. One place for the rule, so no statement of
     a step or a sweep can end a worker with an unretried 1213; statements inside an
     atomic block are left to its owner. Module calls run in their own threads, on
     their own connections, and are never retried by this."""
+    using = ledger_db(using)
     conn = connections[using]
     if getattr(_retrying, "conn", None) is conn:
         yield  # already installed on this thread's connection
@@ -283,7 +324,7 @@ def statements_retried(using: str = "default") -> Iterator[None]:
         _retrying.conn = None
 
 
-def in_transaction(fn: Callable[[], T], *, using: str = "default", tries: int = 5) -> T:
+def in_transaction(fn: Callable[[], T], *, using: str | None = None, tries: int = 5) -> T:
     """Run ``fn`` as one transaction: what must be durable at the same moment costs one
     commit (one log flush on a durable server) instead of one per statement.
 
@@ -293,6 +334,7 @@ def in_transaction(fn: Callable[[], T], *, using: str = "default", tries: int = 
     caller's transaction, which the deadlock rolled back, is the caller's to retry.
     Never put a module call inside ``fn``: a transaction must stay short.
     """
+    using = ledger_db(using)
     outer = connections[using].in_atomic_block
 
     def run() -> T:
@@ -329,7 +371,7 @@ def sqlstate(exc: BaseException) -> str | None:
     return _state(_driver_error(exc))
 
 
-def drop_if_dead(exc: BaseException, using: str = "default") -> bool:
+def drop_if_dead(exc: BaseException, using: str | None = None) -> bool:
     """Close the connection when ``exc`` says it is dead (or it no longer answers), so
     the next statement reconnects instead of failing on it for ever ("gone away" on
     every later call of the thread). Answers whether it was closed.
@@ -338,6 +380,7 @@ def drop_if_dead(exc: BaseException, using: str = "default") -> bool:
     lost is closed: an ordinary error there (PostgreSQL refuses every statement of an
     aborted transaction, ``SELECT 1`` included) is the caller's to roll back, and
     closing would end the caller's transaction behind its back."""
+    using = ledger_db(using)
     conn = connections[using]
     lost = is_connection_lost(exc)
     if not lost and conn.in_atomic_block:
@@ -366,10 +409,11 @@ def _alive(conn: Any) -> bool:
 
 
 @contextmanager
-def dropping_dead(using: str = "default") -> Iterator[None]:
+def dropping_dead(using: str | None = None) -> Iterator[None]:
     """A database error that ends the block with a connection the server or the network
     ended drops that connection, so the caller's next statement on this thread
     reconnects instead of failing with "gone away" for ever."""
+    using = ledger_db(using)
     try:
         yield
     except DatabaseError as exc:
@@ -378,7 +422,7 @@ def dropping_dead(using: str = "default") -> Iterator[None]:
 
 
 @contextmanager
-def causal_reads(using: str = "default") -> Iterator[None]:
+def causal_reads(using: str | None = None) -> Iterator[None]:
     """Reads inside see every transaction committed anywhere in the cluster before them.
 
     On a Galera node another node's commit may not be applied yet when a read arrives:
@@ -386,6 +430,7 @@ def causal_reads(using: str = "default") -> Iterator[None]:
     everywhere) could miss it and take it for undone. ``wsrep_sync_wait`` makes the
     node catch up first; a plain MariaDB has the variable and ignores it, and MySQL
     refuses it, which changes nothing here. Only for the rare read-back paths."""
+    using = ledger_db(using)
     conn = connections[using]
     if conn.vendor != "mysql" or conn.in_atomic_block:
         yield
@@ -568,10 +613,7 @@ class Prepared:
 
     def update(self, queryset: models.QuerySet[Any], *fixed: Any, **values: Any) -> int:
         """Run the UPDATE on ``queryset``'s database; answers the rows it counts."""
-        # The database QuerySet.update() would write to.
-        using = getattr(queryset, "_db", None) or router.db_for_write(
-            queryset.model, **getattr(queryset, "_hints", {})
-        )
+        using = getattr(queryset, "_db", None) or ledger_db()
         conn = connections[using]
         values = self._padded(values)
         compiled = self._compiled(queryset, conn, fixed, values)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router
+from django.db import DatabaseError, connections
 
 from .conf import ledger_settings
 from .db import (
@@ -46,6 +46,7 @@ from .db import (
     driver_code,
     drop_if_dead,
     is_held,
+    ledger_db,
     sqlstate,
     unretried,
 )
@@ -66,11 +67,11 @@ class NotAsExpected(Exception):
     """The block's counts were not those of the common case: it rolled itself back."""
 
 
-def enabled(using: str = DEFAULT_DB_ALIAS) -> bool:
+def enabled(using: str | None = None) -> bool:
     """Whether a step's transactions take the fast path on this connection now."""
     if not ledger_settings.FAST_PATH:
         return False
-    conn = connections[using]
+    conn = connections[ledger_db(using)]
     return (
         _speaks(conn)
         # A transaction Django opened, or a caller's autocommit off: its boundaries are
@@ -78,11 +79,6 @@ def enabled(using: str = DEFAULT_DB_ALIAS) -> bool:
         # PostgreSQL's one statement would become part of the caller's transaction).
         and not conn.in_atomic_block
         and conn.get_autocommit()
-        # The ledger's three tables written through this one connection.
-        and all(
-            router.db_for_write(model) == using
-            for model in (EventRun, EventRunStep, EventRunResource)
-        )
     )
 
 
@@ -100,13 +96,13 @@ def _speaks(conn: Any) -> bool:
     )
 
 
-def _send(block: Statement, using: str = DEFAULT_DB_ALIAS) -> list[Answer]:
+def _send(block: Statement, using: str | None = None) -> list[Answer]:
     """Send one compound statement; answers the result of each SELECT it ran.
 
     A block that raises has ended its transaction before this returns: rolled back by
     the server (``NotAsExpected``), by a ROLLBACK sent here, or with the connection,
     closed when the ROLLBACK could not be sent (the server rolls back at the close)."""
-    conn = connections[using]
+    conn = connections[ledger_db(using)]
     sql, params = block
     try:
         with unretried(conn), conn.cursor() as cursor:
@@ -184,7 +180,7 @@ def claim(
     claim the database holds is answered as won."""
     steps = EventRunStep.objects
     token = steps.new_claim_token()
-    if connections[DEFAULT_DB_ALIAS].vendor == "postgresql":
+    if connections[ledger_db()].vendor == "postgresql":
         return _claim_in_one_statement(step, token, ttl, by, max_attempts, owner, payload, ordered)
     runs = EventRun.objects.all()
     live_sql, live_params = runs.live_statement(step.run_id)
@@ -314,7 +310,7 @@ def finish(
         statements.append(insert)
     statements.append(EventRunResource.objects.resolve_statement(placeholder_id))
     expected = [1, len(rows), 1] if rows else [1, 1]
-    postgresql = connections[DEFAULT_DB_ALIAS].vendor == "postgresql"
+    postgresql = connections[ledger_db()].vendor == "postgresql"
     committing = _one_statement_if if postgresql else _committing_if
     try:
         _send(committing(statements, expected))

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, connections
 
 from . import fastpath, signals
 from .background import keeper, process_name
@@ -19,6 +19,7 @@ from .db import (
     dropping_dead,
     in_transaction,
     is_held,
+    ledger_db,
     refuse_callers_transaction,
     statements_retried,
     storable,
@@ -729,7 +730,7 @@ def _write_outcome(step: EventRunStep, token: str, result: StepResult) -> bool:
     try:
         written = EventRunStep.objects.settle(step, token, status, error)
     except Exception as exc:
-        if connection.in_atomic_block:
+        if connections[ledger_db()].in_atomic_block:
             raise  # the transaction's owner writes the outcome alone (see _finish)
         # The outcome must land, or the step stays `running` and the attempt bound is
         # reached only through stale claims: write it again without the module's text,
@@ -777,7 +778,7 @@ def _log_step(step: EventRunStep, result: StepResult, *, late: bool = False) -> 
             ),
         )
     except Exception:  # the step's outcome is written; its log line must not undo that
-        if connection.in_atomic_block:
+        if connections[ledger_db()].in_atomic_block:
             raise  # a swallowed error would leave the transaction broken, not committed
         logger.exception("step %s: writing its log entry failed", step.pk)
 

@@ -11,7 +11,7 @@ from django.db.models import Case, Q, Value, When
 from django.db.models.expressions import DatabaseDefault
 from django.utils import timezone
 
-from .db import KeyCharField
+from .db import KeyCharField, LedgerManager, LedgerModel
 from .querysets import (  # noqa: I001
     EventRunLogManager,
     EventRunQuerySet,
@@ -37,7 +37,7 @@ def mint_idempotency_key() -> str:
     return uuid.uuid4().hex
 
 
-class EventRun(models.Model):
+class EventRun(LedgerModel):
     Status = RunStatus
     CleanupStatus = CleanupStatus
 
@@ -54,9 +54,10 @@ class EventRun(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
-    objects = EventRunQuerySet.as_manager()
+    objects = LedgerManager.from_queryset(EventRunQuerySet)()
 
     class Meta:
+        base_manager_name = "objects"
         verbose_name = "event run"
         indexes = [
             models.Index(fields=["cleanup_status", "status"], name="evrun_cleanup_idx"),
@@ -88,7 +89,7 @@ class EventRun(models.Model):
         return self.status in self.TERMINAL
 
 
-class EventRunStep(models.Model):
+class EventRunStep(LedgerModel):
     Status = StepStatus
 
     run = models.ForeignKey(EventRun, on_delete=models.CASCADE, related_name="steps")
@@ -118,9 +119,10 @@ class EventRunStep(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
 
-    objects = EventRunStepQuerySet.as_manager()
+    objects = LedgerManager.from_queryset(EventRunStepQuerySet)()
 
     class Meta:
+        base_manager_name = "objects"
         verbose_name = "event run step"
         ordering = ["run_id", "phase_rank", "phase", "seq", "id"]
         indexes = [
@@ -141,7 +143,7 @@ class EventRunStep(models.Model):
         super().save(*args, **kwargs)
 
 
-class EventRunResource(models.Model):
+class EventRunResource(LedgerModel):
     Status = ResourceStatus
 
     # PROTECT: a run cannot be deleted while the ledger remembers anything of it;
@@ -194,9 +196,10 @@ class EventRunResource(models.Model):
         db_persist=True,
     )
 
-    objects = EventRunResourceQuerySet.as_manager()
+    objects = LedgerManager.from_queryset(EventRunResourceQuerySet)()
 
     class Meta:
+        base_manager_name = "objects"
         verbose_name = "event run resource"
         constraints = [
             models.UniqueConstraint(
@@ -229,7 +232,7 @@ class EventRunResource(models.Model):
         return self.revert_attempts >= max_attempts or self.claim_count >= max_claims
 
 
-class EventRunLog(models.Model):
+class EventRunLog(LedgerModel):
     run = models.ForeignKey(EventRun, on_delete=models.CASCADE, related_name="log")
     kind = models.CharField(max_length=64)
     detail = models.JSONField(default=dict, blank=True, encoder=DjangoJSONEncoder)
@@ -238,6 +241,7 @@ class EventRunLog(models.Model):
     objects = EventRunLogManager()
 
     class Meta:
+        base_manager_name = "objects"
         verbose_name = "event run log entry"
         verbose_name_plural = "event run log"
         indexes = [models.Index(fields=["run", "created_at"], name="evlog_run_idx")]

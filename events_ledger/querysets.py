@@ -35,6 +35,7 @@ from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from .db import (
+    LedgerManager,
     Prepared,
     Statement,
     UtcNow,
@@ -1884,7 +1885,7 @@ class EventRunResourceQuerySet(models.QuerySet):
         )
 
 
-class EventRunLogManager(models.Manager["EventRunLog"]):
+class EventRunLogManager(LedgerManager):
     def write(self, run: Any, kind: str, detail: Mapping[str, Any] | None = None) -> EventRunLog:
         """Append one entry to a run's log (C7)."""
         return self.create(run_id=_pk(run), kind=kind, detail=dict(detail or {}))

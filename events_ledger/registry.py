@@ -54,7 +54,9 @@ class Action:
     perform: Callable[..., Any] | None = None
     revert: Callable[..., Any] | None = None
     reconcile: Callable[..., Any] | None = None
-    budget_ms: int = 10_000
+    #: None (or 0): ``DEFAULT_REVERT_BUDGET``, as a lease's, so the setting reaches every
+    #: module that sets no budget of its own.
+    budget_ms: int | None = None
     description: str = ""
     #: C8: what it makes stands alone, depending on nothing of its run and nothing
     #: depending on it: given back whenever (never waiting for a later phase, never

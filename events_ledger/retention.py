@@ -23,7 +23,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from .conf import ledger_settings
-from .db import causal_reads, drop_if_dead, dropping_dead, in_transaction
+from .db import causal_reads, drop_if_dead, dropping_dead, in_transaction, ledger_db
 from .models import EventRun, EventRunLog, EventRunResource, EventRunStep
 from .states import RESOLVED_FOR_GOOD, RUN_TERMINAL, UNRESOLVED, CleanupStatus, StepStatus
 
@@ -57,8 +57,8 @@ class History:
     """The statements of retention, each one method stating what it guarantees (the
     querysets' habit; they live here, beside the one service that sends them)."""
 
-    def __init__(self, using: str = "default") -> None:
-        self.using = using
+    def __init__(self, using: str | None = None) -> None:
+        self.using = ledger_db(using)
 
     def next_prunable(self, after: int, size: int, cutoff: datetime) -> list[int]:
         """The next ``size`` runs after id ``after`` that may go now, by id: a walk of the
@@ -559,7 +559,7 @@ def prune(
     batch: int = DEFAULT_BATCH,
     archive: str | os.PathLike[str] | None = None,
     dry_run: bool = False,
-    using: str = "default",
+    using: str | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> PruneReport:
     """Remove the runs that ended before the cut-off, are terminal and owe nothing, with
@@ -571,6 +571,7 @@ def prune(
     ``archive``, each batch is written to it and fsynced before its delete commits; an
     archive left by a killed prune is repaired first, so it holds each removed run once.
     """
+    using = ledger_db(using)
     if not 1 <= batch <= MAX_BATCH:
         raise ValueError(f"batch must be 1 to {MAX_BATCH}, not {batch}")
     cutoff = cutoff_for(older_than)
@@ -729,8 +730,9 @@ class HistorySize:
         }
 
 
-def history_size(using: str = "default") -> HistorySize:
+def history_size(using: str | None = None) -> HistorySize:
     """The history's size in a few reads of indexes and statistics, never a scan."""
+    using = ledger_db(using)
     history = History(using)
     counted = {
         name: history.rows(model)

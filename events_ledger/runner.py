@@ -12,7 +12,7 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 
 from .conf import ledger_settings
-from .db import bounded, refuse_callers_transaction, storable, storable_json
+from .db import bounded, ledger_db, refuse_callers_transaction, storable, storable_json
 from .ledger import StepResult, execute_step
 from .models import EventRun, EventRunLog, EventRunResource, EventRunStep
 from .querysets import new_token
@@ -238,7 +238,7 @@ def end_run(
             f"{status!r} does not end a run (a run ends {', '.join(RUN_TERMINAL)})"
         )
     reason = _reason(reason, "ending a run by hand")
-    with transaction.atomic():
+    with transaction.atomic(using=ledger_db()):
         ended = EventRun.objects.transition(
             run, status, from_=(RunStatus.PENDING, RunStatus.RUNNING)
         )
@@ -278,7 +278,7 @@ def resolve_by_hand(
     ids = [getattr(row, "pk", row) for row in rows]
     token = new_token()
     note = storable(f"resolved by hand by {actor}: {reason}")[:500]
-    with transaction.atomic():
+    with transaction.atomic(using=ledger_db()):
         count = EventRunResource.objects.resolve_by_hand(
             ids, token, note, ledger_settings.REVERT_CLAIM_TTL
         )

@@ -38,7 +38,7 @@ from typing import Any
 from django.db import DatabaseError, transaction
 from django.dispatch import Signal
 
-from .db import drop_if_dead
+from .db import drop_if_dead, ledger_db
 from .logcontext import log_context
 from .models import EventRun, EventRunResource, EventRunStep
 from .states import CleanupStatus, ResourceStatus
@@ -93,7 +93,7 @@ def _send(signal: Signal, sender: type, **kwargs: Any) -> None:
                     if isinstance(result, DatabaseError):
                         drop_if_dead(result)  # or the host's next write fails on it
 
-    transaction.on_commit(deliver, robust=True)
+    transaction.on_commit(deliver, using=ledger_db(), robust=True)
 
 
 def _quietly(what: str) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 import environ
 from django.core.management.utils import get_random_secret_key
@@ -77,29 +78,42 @@ if env("LEDGER_PG_DRIVER", default="psycopg") == "psycopg2":
     import sys
 
     sys.modules["psycopg"] = None  # type: ignore[assignment]
-_db = DATABASES["default"]
-# A host that wraps every request in a transaction: `make test` runs the console's tests
-# and the in-flight property machine with it on too (the ledger's commits stay its own).
-_db["ATOMIC_REQUESTS"] = env.bool("DATABASE_ATOMIC_REQUESTS", default=False)
-if _db["ENGINE"].endswith("sqlite3"):
-    # A file, also for tests: the deadline's worker threads and the race tests' child
-    # processes must see the same database as the test itself.
-    _db.setdefault("TEST", {})["NAME"] = env(
-        "SQLITE_TEST_NAME", default=str(BASE_DIR.parent / ".test-db.sqlite3")
-    )
-    _db.setdefault("OPTIONS", {}).update({"timeout": 20})
-    # Transactions take the write lock when they begin, so they wait for one another
-    # instead of failing at once when a reader turns writer (Django 5.1+).
-    _db["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
-elif _db["ENGINE"].endswith("mysql"):
-    # utf8mb4 for every text; the ledger's key columns pick their own byte-wise collation.
-    _db.setdefault("OPTIONS", {}).update({"charset": "utf8mb4"})
-    # A node that stops answering after a committed write (seen on Galera) must not hang
-    # a sweeper for ever: the read times out as "lost connection" (2013), which the
-    # ledger treats as outcome unknown and retries only where the write is fenced.
-    _read_timeout = env.int("DATABASE_READ_TIMEOUT", default=60)
-    if _read_timeout:
-        _db["OPTIONS"].update({"read_timeout": _read_timeout, "write_timeout": _read_timeout})
+
+
+def _tuned(db: dict[str, Any], alias: str) -> dict[str, Any]:
+    # A host that wraps every request in a transaction: `make test` runs the console's
+    # tests and the in-flight property machine with it on too (the ledger's commits stay
+    # its own).
+    db["ATOMIC_REQUESTS"] = env.bool("DATABASE_ATOMIC_REQUESTS", default=False)
+    if db["ENGINE"].endswith("sqlite3"):
+        # A file, also for tests: the deadline's worker threads and the race tests' child
+        # processes must see the same database as the test itself.
+        name = env("SQLITE_TEST_NAME", default=str(BASE_DIR.parent / ".test-db.sqlite3"))
+        db.setdefault("TEST", {})["NAME"] = name if alias == "default" else f"{name}-{alias}"
+        db.setdefault("OPTIONS", {}).update({"timeout": 20})
+        # Transactions take the write lock when they begin, so they wait for one another
+        # instead of failing at once when a reader turns writer (Django 5.1+).
+        db["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
+    elif db["ENGINE"].endswith("mysql"):
+        # utf8mb4 for every text; the ledger's key columns pick their own byte-wise
+        # collation.
+        db.setdefault("OPTIONS", {}).update({"charset": "utf8mb4"})
+        # A node that stops answering after a committed write (seen on Galera) must not
+        # hang a sweeper for ever: the read times out as "lost connection" (2013), which
+        # the ledger treats as outcome unknown and retries only where the write is fenced.
+        read_timeout = env.int("DATABASE_READ_TIMEOUT", default=60)
+        if read_timeout:
+            db["OPTIONS"].update({"read_timeout": read_timeout, "write_timeout": read_timeout})
+    return db
+
+
+_tuned(DATABASES["default"], "default")
+# The ledger on an alias of its own: its tables on LEDGER_DATABASE_URL, the host's (auth,
+# sessions, the admin's history) on default. `make test` runs the core suite so.
+if env("LEDGER_DATABASE_URL", default=""):
+    DATABASES["ledger"] = _tuned(env.db("LEDGER_DATABASE_URL"), "ledger")
+    DATABASE_ROUTERS = ["events_ledger.routers.LedgerRouter"]
+
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -124,6 +138,8 @@ EVENTS_LEDGER = {
     # #26: the bench measures giving back both ways (scripts/bench-all).
     "GIVE_BACK_IN_ORDER": env.bool("EVENT_GIVE_BACK_IN_ORDER", default=True),
 }
+if "ledger" in DATABASES:
+    EVENTS_LEDGER["DATABASE"] = "ledger"
 
 LOGGING = {
     "version": 1,

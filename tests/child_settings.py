@@ -6,7 +6,8 @@ import os
 from project.settings import *  # noqa: F403
 from project.settings import DATABASES
 
-DATABASES["default"]["NAME"] = os.environ["LEDGER_CHILD_DB_NAME"]
+for _alias, _name in json.loads(os.environ["LEDGER_CHILD_DB_NAMES"]).items():
+    DATABASES[_alias]["NAME"] = _name
 # A cluster's other node (the Galera scenarios spread their processes over the nodes).
 if os.environ.get("LEDGER_CHILD_DB_PORT"):
     DATABASES["default"]["PORT"] = os.environ["LEDGER_CHILD_DB_PORT"]

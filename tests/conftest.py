@@ -5,11 +5,12 @@ import os
 from typing import Any
 
 import pytest
-from django.db import connection
 
 
 @pytest.fixture
 def vendor() -> str:
+    from tests.helpers import connection
+
     return connection.vendor
 
 
@@ -81,3 +82,21 @@ def _no_verdicts_in_hand_between_tests():
     cleanup._repair_pace.reset_after_fork()  # each test's first pass repairs
     yield
     cleanup._backlog.drop_all()  # the keeper must not write into the next test's tables
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """With the ledger on an alias of its own (``LEDGER_DATABASE_URL``), a test that
+    touches the database touches both: the host's default and the ledger's alias."""
+    from django.conf import settings
+
+    if len(settings.DATABASES) == 1:
+        return
+    for item in items:
+        marker = item.get_closest_marker("django_db")
+        uses_db = {"db", "transactional_db"} & set(getattr(item, "fixturenames", ()))
+        if (marker is None and not uses_db) or (marker and "databases" in marker.kwargs):
+            continue
+        kwargs = dict(marker.kwargs) if marker else {}
+        if marker is None and "transactional_db" in uses_db:
+            kwargs["transaction"] = True
+        item.add_marker(pytest.mark.django_db(databases="__all__", **kwargs), append=False)

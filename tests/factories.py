@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import factory
 
+from events_ledger.db import ledger_db
 from events_ledger.models import EventRun, EventRunLog, EventRunResource, EventRunStep
 
 
 class RunFactory(factory.django.DjangoModelFactory):
     class Meta:
         model = EventRun
+        # factory-boy names an alias itself (default's): the ledger's own, in its run.
+        database = ledger_db()
 
     name = factory.Sequence(lambda n: f"run-{n}")
     scope = "test"
@@ -19,6 +22,8 @@ class RunFactory(factory.django.DjangoModelFactory):
 class StepFactory(factory.django.DjangoModelFactory):
     class Meta:
         model = EventRunStep
+        # factory-boy names an alias itself (default's): the ledger's own, in its run.
+        database = ledger_db()
 
     run = factory.SubFactory(RunFactory)
     phase = "main"
@@ -30,6 +35,8 @@ class StepFactory(factory.django.DjangoModelFactory):
 class ResourceFactory(factory.django.DjangoModelFactory):
     class Meta:
         model = EventRunResource
+        # factory-boy names an alias itself (default's): the ledger's own, in its run.
+        database = ledger_db()
 
     run = factory.SubFactory(RunFactory)
     step = None
@@ -42,6 +49,8 @@ class ResourceFactory(factory.django.DjangoModelFactory):
 class LogFactory(factory.django.DjangoModelFactory):
     class Meta:
         model = EventRunLog
+        # factory-boy names an alias itself (default's): the ledger's own, in its run.
+        database = ledger_db()
 
     run = factory.SubFactory(RunFactory)
     kind = "test.entry"

@@ -9,7 +9,15 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.db import connections
+from django.utils.connection import ConnectionProxy
+
+from events_ledger.db import ledger_db
 from events_ledger.models import EventRun, EventRunResource, EventRunStep
+
+#: The ledger's connection, which is what a test means by ``connection``: default's,
+#: unless the ledger has an alias of its own (``make test``'s own-alias run).
+connection = ConnectionProxy(connections, ledger_db())
 
 #: Long enough for any wait of a test on a loaded machine; a test that needs it failed.
 PATIENCE_S = 120

@@ -18,11 +18,19 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from django.db import connection
+from django.db import connections
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The module a child runs: this one.
 CHILD = "tests.processes"
+
+
+def _ledger() -> Any:
+    """The ledger's connection (its own alias's in the own-alias run); read once the
+    child's Django is set up."""
+    from events_ledger.db import ledger_db
+
+    return connections[ledger_db()]
 
 
 # ── the parent's side ──
@@ -31,7 +39,10 @@ CHILD = "tests.processes"
 def child_env(settings: dict[str, Any] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["LEDGER_CHILD_SETTINGS"] = json.dumps(settings or {})
-    env["LEDGER_CHILD_DB_NAME"] = str(connection.settings_dict["NAME"])
+    # Each alias's test database (the ledger may have one of its own).
+    env["LEDGER_CHILD_DB_NAMES"] = json.dumps(
+        {alias: str(connections[alias].settings_dict["NAME"]) for alias in connections}
+    )
     env["DJANGO_SETTINGS_MODULE"] = "tests.child_settings"
     env["PYTHONPATH"] = str(ROOT)
     return env
@@ -334,7 +345,7 @@ def task_live_steps(stop: str, region: str) -> dict[str, Any]:
     timed, longest = _longest_statement()
     runs: list[int] = []
     errors: list[str] = []
-    with connection.execute_wrapper(timed):
+    with _ledger().execute_wrapper(timed):
         while not os.path.exists(stop):
             try:
                 runs.append(finished_run(1, name="live", region=region).pk)
@@ -352,7 +363,7 @@ def task_sweep_live(stop: str) -> dict[str, Any]:
     timed, longest = _longest_statement()
     passes = worked = 0
     longest_pass = 0.0
-    with connection.execute_wrapper(timed):
+    with _ledger().execute_wrapper(timed):
         while not os.path.exists(stop):
             began = time.monotonic()
             report = sweep()
@@ -407,7 +418,7 @@ def main() -> None:
     import django
 
     django.setup()
-    connection.ensure_connection()
+    _ledger().ensure_connection()
     print("ready", flush=True)
     sys.stdin.readline()
     try:

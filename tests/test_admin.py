@@ -8,7 +8,6 @@ from io import StringIO
 import pytest
 from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
-from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
@@ -21,7 +20,7 @@ from events_ledger.models import EventRun, EventRunLog, EventRunResource
 from project.world.models import Creature
 from tests.conftest import age_rows
 from tests.factories import LogFactory, ResourceFactory, RunFactory, StepFactory
-from tests.helpers import new_run, spawn_step, step_ttl
+from tests.helpers import connection, new_run, spawn_step, step_ttl
 
 Res = EventRunResource.objects
 world_db = pytest.mark.django_db(transaction=True)

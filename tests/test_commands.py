@@ -195,7 +195,9 @@ def test_loop_survives_the_database_going_away(world):  # S1, connections die
     import os
     import threading
 
-    from django.db import connection, connections
+    from django.db import connections
+
+    from tests.helpers import connection
 
     first = finished_run()
     out, err = StringIO(), StringIO()
@@ -318,6 +320,7 @@ def test_cleanup_runs_names_the_phase_earlier_ones_wait_behind():  # S1, C8
     code, out, _ = command("cleanup_runs", "--run", str(run.pk), "--json")
     [summary] = json.loads(out)["runs"]
     assert code == 1 and [e["phase"] for e in summary["behind"]] == ["b"]
+    assert json.loads(out)["incomplete"] == [run.pk]  # the document says what exit 1 says
     assert summary["behind"][0]["resources"] == refs.split(", ")
 
 

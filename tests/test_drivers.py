@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 
 import pytest
-from django.db import DatabaseError, IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, transaction
 
 from events_ledger import fastpath
 from events_ledger.db import is_unique_violation, sqlstate
 from events_ledger.models import EventRunResource
-from tests.helpers import new_run
+from tests.helpers import connection, new_run
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),

@@ -116,8 +116,12 @@ def test_a_reconcile_listing_a_malformed_ref_orphans_nothing(isolated_registry):
 
 
 def test_a_budget_of_zero_or_none_is_the_default_budget(settings):  # W5, C1
-    settings.EVENTS_LEDGER = {"DEFAULT_REVERT_BUDGET": timedelta(seconds=7)}
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        "DEFAULT_REVERT_BUDGET": timedelta(seconds=7),
+    }
     assert Action(id="a", owner="o", budget_ms=0).budget_s == 7
+    assert Action(id="a", owner="o").budget_s == 7  # not set: the setting, as a lease's
     assert Action(id="a", owner="o", budget_ms=250).budget_s == 0.25
     assert Lease(id="l", owner="o").budget_s == 7
     assert Lease(id="l", owner="o", budget_ms=1500).budget_s == 1.5

@@ -16,13 +16,13 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import connections
 from django.utils.timezone import now
 
 from events_ledger import Action, fastpath
 from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
-from tests.helpers import ledger_action, new_run, new_step
+from tests.helpers import connection, ledger_action, new_run, new_step
 
 Res = EventRunResource.objects
 world = pytest.mark.django_db(transaction=True)
@@ -340,7 +340,7 @@ def test_a_step_passed_as_read_before_its_run_ended_is_not_performed(isolated_re
 def test_a_step_passed_as_read_before_its_attempts_ran_out_is_not_performed(
     isolated_registry, settings
 ):  # W5, bounds: MAX_STEP_ATTEMPTS
-    settings.EVENTS_LEDGER = {"MAX_STEP_ATTEMPTS": 2}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "MAX_STEP_ATTEMPTS": 2}
     calls = _counting(isolated_registry)
     step = new_step(new_run(), "t.trip")
     EventRunStep.objects.filter(pk=step.pk).update(attempts=2)  # two workers died meanwhile
@@ -458,7 +458,7 @@ def test_the_bench_reads_a_block_statement_by_statement():  # bench, #12
 def test_a_host_that_turns_the_fast_path_off_gets_the_general_path(
     settings, isolated_registry
 ):  # #24, S4
-    settings.EVENTS_LEDGER = {"FAST_PATH": False}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "FAST_PATH": False}
     assert not fastpath.enabled()
     _action(isolated_registry, lambda **kw: {"ok": True, "resources": []})
     sent: list[str] = []
@@ -470,7 +470,7 @@ def test_a_host_that_turns_the_fast_path_off_gets_the_general_path(
     with connection.execute_wrapper(wrapper):
         assert execute_step(new_step(new_run(), "t.trip")).outcome == "done"
     assert sent and not any("BEGIN NOT ATOMIC" in sql or "WITH marked" in sql for sql in sent)
-    settings.EVENTS_LEDGER = {"FAST_PATH": "yes"}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "FAST_PATH": "yes"}
     from django.core.exceptions import ImproperlyConfigured
 
     with pytest.raises(ImproperlyConfigured, match="FAST_PATH"):

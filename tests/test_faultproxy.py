@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import Error, connection, transaction
+from django.db import Error, transaction
 
 from events_ledger.models import EventRun
 from tests import faults
@@ -29,6 +29,7 @@ from tests.faults import (
     require_server,
     server_fault,
 )
+from tests.helpers import connection
 
 fp = load_faultproxy()
 #: The fixture, for the tests below that ask for it by name.

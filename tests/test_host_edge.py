@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connections, transaction
 from django.test import Client
 from django.urls import reverse
 
@@ -16,7 +16,7 @@ from events_ledger import InCallersTransaction, cleanup_run, run_steps, sweep
 from events_ledger.cleanup import reconcile_module
 from events_ledger.ledger import execute_step
 from events_ledger.models import EventRun, EventRunResource, EventRunStep
-from tests.helpers import ledger_action, new_run, new_step, wait_until
+from tests.helpers import connection, ledger_action, new_run, new_step, wait_until
 
 Res = EventRunResource.objects
 world_db = pytest.mark.django_db(transaction=True)
@@ -361,12 +361,12 @@ def test_the_archive_redacts_through_the_hosts_hook_and_refuses_a_hook_that_lose
     ids = _old_runs(2)
     EventRunStep.objects.create(run_id=ids[0], action_id="t.make", params={"password": "hunter2"})
     path = tmp_path / "ledger.jsonl.gz"
-    settings.EVENTS_LEDGER = {"ARCHIVE_REDACT": redact}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "ARCHIVE_REDACT": redact}
     assert _prune_command("--archive", str(path))[0] == 0
     archived = [json.loads(line) for line in gzip.open(path, "rt")]
     assert [d["run"]["id"] for d in archived] == ids and "hunter2" not in str(archived)
     assert archived[0]["steps"][0]["params"] == "[redacted]"
-    settings.EVENTS_LEDGER = {"ARCHIVE_REDACT": lambda document: None}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "ARCHIVE_REDACT": lambda document: None}
     later = _old_runs(1)
     before = path.read_bytes()
     code, said = _prune_command("--archive", str(path))
@@ -374,7 +374,10 @@ def test_the_archive_redacts_through_the_hosts_hook_and_refuses_a_hook_that_lose
     assert EventRun.objects.filter(pk__in=later).exists() and path.read_bytes() == before
     from events_ledger.checks import check_settings
 
-    settings.EVENTS_LEDGER = {"ARCHIVE_REDACT": "no.such.hook"}  # found at start-up
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        "ARCHIVE_REDACT": "no.such.hook",
+    }  # found at start-up
     assert [e.id for e in check_settings() if "ARCHIVE_REDACT" in e.msg] == ["events_ledger.E006"]
 
 
@@ -407,7 +410,11 @@ def test_a_prune_reads_only_what_lies_past_the_committed_offset(tmp_path):  # #2
 def test_a_task_message_chooses_no_archive_and_no_shorter_cut_off(settings, tmp_path):  # #28
     from events_ledger import jobs
 
-    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "RETENTION": timedelta(days=30)}
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        **settings.EVENTS_LEDGER,
+        "RETENTION": timedelta(days=30),
+    }
     with pytest.raises(ValueError, match="ARCHIVE"):
         jobs.prune_once(archive=str(tmp_path / "any-file"))
     assert not (tmp_path / "any-file").exists()
@@ -418,7 +425,7 @@ def test_a_task_message_chooses_no_archive_and_no_shorter_cut_off(settings, tmp_
         with pytest.raises(ValueError, match="batch"):
             jobs.prune_once(batch=wrong)
     assert jobs.prune_once(older_than=timedelta(days=60).total_seconds())["runs"] == 0
-    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "RETENTION": None}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, **settings.EVENTS_LEDGER, "RETENTION": None}
     assert jobs.prune_once(older_than=1) == {"kept_for_ever": True, "runs": 0}
 
 
@@ -521,7 +528,7 @@ def test_runs_whose_earlier_phases_wait_behind_a_later_step_in_flight_do_not_sta
     from tests.helpers import Gate, spawn_step, wait_until
     from tests.test_in_flight import gated_spawn, register_spawn, settled
 
-    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 1}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "CLEANUP_RUN_BATCH": 1}
     gate = Gate()
     register_spawn(isolated_registry, gated_spawn(gate), budget_ms=200)
     waiting = new_run(name="waiting")
@@ -555,7 +562,7 @@ def test_a_step_read_before_its_run_was_cancelled_and_swept_is_not_performed(
     from events_ledger import ledger
     from tests.helpers import PATIENCE_S, Gate, in_thread
 
-    settings.EVENTS_LEDGER = {"FAST_PATH": False}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "FAST_PATH": False}
     calls = _calls(isolated_registry)
     run = new_run()
     step = new_step(run, "t.make")
@@ -655,7 +662,7 @@ def test_a_claim_that_waited_past_the_lock_timeout_answers_busy_without_waiting_
     from tests.helpers import PATIENCE_S, in_thread
 
     if path == "general":
-        settings.EVENTS_LEDGER = {"FAST_PATH": False}
+        settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "FAST_PATH": False}
     calls = _calls(isolated_registry)
     run = new_run()
     step = new_step(run, "t.make")
@@ -840,7 +847,7 @@ def test_a_pass_interrupted_while_its_calls_run_asks_each_key_once_and_writes_th
     import signal
     import threading
 
-    settings.EVENTS_LEDGER = {"CLEANUP_CONCURRENCY": width}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "CLEANUP_CONCURRENCY": width}
     gate, inside = threading.Event(), threading.Event()
     asked: list[str] = []
 

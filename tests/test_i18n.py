@@ -68,7 +68,7 @@ def test_the_admins_action_and_the_apps_name(german):
 
 
 def test_a_checks_message(german, settings):
-    settings.EVENTS_LEDGER = {"NO_SUCH_KEY": 1}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "NO_SUCH_KEY": 1}
     [warning] = check_settings()
     assert warning.msg == "EVENTS_LEDGER kennt den Schlüssel 'NO_SUCH_KEY' nicht."
 

@@ -24,7 +24,16 @@ from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from project.world import world as w
 from project.world.models import Call, Creature, RegionSetting
-from tests.helpers import PATIENCE_S, Gate, in_thread, new_run, new_step, revert_ttl, wait_until
+from tests.helpers import (
+    PATIENCE_S,
+    Gate,
+    connection,
+    in_thread,
+    new_run,
+    new_step,
+    revert_ttl,
+    wait_until,
+)
 from tests.processes import CHILD, spawn
 
 Res = EventRunResource.objects
@@ -299,7 +308,7 @@ def test_a_worker_killed_between_two_chunks_loses_nothing(world, vendor):  # W3,
     blocker_ref = answer["resources"][1000]["ref"]
     other = new_run(name="blocker")
     child = None
-    with transaction.atomic():
+    with transaction.atomic(using=connection.alias):
         Res.create(run=other, owner_module="world", kind="creature", ref=blocker_ref)
         child = spawn(
             CHILD,
@@ -312,7 +321,7 @@ def test_a_worker_killed_between_two_chunks_loses_nothing(world, vendor):  # W3,
             assert child.stdout.readline().strip() == "ready"
             child.stdin.write("go\n")
             child.stdin.flush()
-            probe = connections.create_connection("default")
+            probe = connections.create_connection(connection.alias)
             try:
                 wait_until(
                     lambda: bool(_blocked_inserts(probe, vendor, blocker_ref)),
@@ -328,7 +337,7 @@ def test_a_worker_killed_between_two_chunks_loses_nothing(world, vendor):  # W3,
         finally:
             if child.poll() is None:
                 child.kill()
-        transaction.set_rollback(True)
+        transaction.set_rollback(True, using=connection.alias)
     assert Res.filter(run=run, kind="creature").count() == 0  # rolled back whole
     assert Res.get(run=run, kind=STEP_KIND).status == "pending"
     # The worker is dead; its claim is taken for dead after the TTL.
@@ -358,7 +367,7 @@ def _blocked_inserts(probe: Any, vendor: str, ref: str = "") -> list[Any]:
 
 
 def _end_blocked_inserts(vendor: str) -> None:
-    probe = connections.create_connection("default")
+    probe = connections.create_connection(connection.alias)
     try:
         sessions = _blocked_inserts(probe, vendor)
         with probe.cursor() as c:
@@ -457,7 +466,7 @@ def test_a_lease_row_without_a_baseline_is_released_without_a_call(world):  # W6
 def test_an_error_text_that_cannot_be_stored_still_settles_the_step(
     world, isolated_registry, settings
 ):  # bounds: MAX_STEP_ATTEMPTS
-    settings.EVENTS_LEDGER = {"MAX_STEP_ATTEMPTS": 2}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "MAX_STEP_ATTEMPTS": 2}
 
     def perform(**kw: Any) -> Any:
         raise RuntimeError("lone \ud800 surrogate and a \x00 NUL")
@@ -476,7 +485,7 @@ def test_an_error_text_that_cannot_be_stored_still_settles_the_step(
 def test_a_step_claimed_past_its_attempts_is_failed_without_a_call(
     isolated_registry, settings
 ):  # bounds: MAX_STEP_ATTEMPTS
-    settings.EVENTS_LEDGER = {"MAX_STEP_ATTEMPTS": 2}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "MAX_STEP_ATTEMPTS": 2}
     calls = []
     register_spawn(isolated_registry, lambda **kw: calls.append(kw) or {"ok": True}, 5_000)
     run = new_run()
@@ -542,7 +551,11 @@ def test_reconcile_never_orphans_a_row_under_a_live_revert_claim(isolated_regist
 def test_a_budget_not_shorter_than_a_claim_ttl_is_a_check_error(isolated_registry, settings):
     from events_ledger.checks import E007, check_registrations
 
-    settings.EVENTS_LEDGER = {"STEP_CLAIM_TTL": 60, "REVERT_CLAIM_TTL": 120}
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        "STEP_CLAIM_TTL": 60,
+        "REVERT_CLAIM_TTL": 120,
+    }
     register_spawn(isolated_registry, lambda **kw: None, budget_ms=90_000)
     errors = [e for e in check_registrations() if e.id == E007]
     assert len(errors) == 1 and "STEP_CLAIM_TTL" in errors[0].msg and "t.spawn" in errors[0].msg
@@ -580,7 +593,7 @@ def test_an_answer_of_a_hundred_thousand_resources_is_recorded_and_given_back(
 def test_runs_waiting_for_a_step_in_flight_do_not_starve_the_others(
     world, isolated_registry, settings
 ):  # C5, the invariant
-    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 1}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "CLEANUP_RUN_BATCH": 1}
     gate = Gate()
     register_spawn(isolated_registry, gated_spawn(gate), budget_ms=200)
     waiting = new_run(name="waiting")

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import django
 import pytest
-from django.db import connection
 
 import events_ledger
+from tests.helpers import connection
 from tests.processes import ROOT
 
 pytestmark = pytest.mark.slow

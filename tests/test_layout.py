@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "surfaces",
         {
             "checks",
+            "routers",
             "admin",
             "tasks",
             "celery",

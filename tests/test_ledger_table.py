@@ -5,13 +5,13 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource
 from events_ledger.querysets import Holder
 from tests.conftest import age_rows
 from tests.factories import ResourceFactory, RunFactory, StepFactory
-from tests.helpers import revert_ttl
+from tests.helpers import connection, revert_ttl
 
 pytestmark = pytest.mark.django_db
 
@@ -232,9 +232,9 @@ def test_claim_ttl_comes_from_settings(settings):  # R5, S4
     row = ResourceFactory(status="confirmed")
     Res.claim_revert(row.pk, revert_ttl())
     age_rows(EventRunResource, [row.pk], seconds=90)
-    settings.EVENTS_LEDGER = {"REVERT_CLAIM_TTL": timedelta(minutes=2)}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "REVERT_CLAIM_TTL": timedelta(minutes=2)}
     assert Res.claim_revert(row.pk, revert_ttl()) is None
-    settings.EVENTS_LEDGER = {"REVERT_CLAIM_TTL": timedelta(minutes=1)}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "REVERT_CLAIM_TTL": timedelta(minutes=1)}
     assert Res.claim_revert(row.pk, revert_ttl())
 
 

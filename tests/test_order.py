@@ -8,7 +8,6 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from events_ledger import Action, cleanup_run, sweep
@@ -17,7 +16,7 @@ from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunResource, EventRunStep
 from project.world.models import Arena, Call, Creature, RegionSetting
 from tests.factories import StepFactory
-from tests.helpers import new_run, phased_run
+from tests.helpers import connection, new_run, phased_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 Res = EventRunResource.objects
@@ -170,7 +169,7 @@ def test_an_independent_action_is_not_held(world, isolated_registry):  # C8
 
 
 def test_the_order_can_be_turned_off_for_a_project(world, settings):  # C8
-    settings.EVENTS_LEDGER = {"GIVE_BACK_IN_ORDER": False}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "GIVE_BACK_IN_ORDER": False}
     run = arena_run()
     world.switch_on("rate.restore_fail")
     summary = cleanup_run(run)

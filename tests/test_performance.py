@@ -9,12 +9,12 @@ from io import StringIO
 
 import pytest
 from django.core.management import call_command
-from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from events_ledger.cleanup import sweep
 from events_ledger.models import EventRun, EventRunLog, EventRunResource, EventRunStep
 from tests.factories import ResourceFactory, RunFactory
+from tests.helpers import connection
 
 
 @pytest.mark.django_db

@@ -7,12 +7,13 @@ import threading
 from datetime import datetime
 
 import pytest
-from django.db import connection, connections
+from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
 from events_ledger.db import Prepared, UtcNow
 from events_ledger.models import EventRun, EventRunStep
 from tests.factories import RunFactory, StepFactory
+from tests.helpers import connection
 
 Steps = EventRunStep.objects
 

@@ -132,7 +132,7 @@ def test_a_wrong_setting_is_a_clear_check_error(settings, value, key):  # S4
 
 
 def test_an_unknown_setting_is_a_warning(settings):  # S4
-    settings.EVENTS_LEDGER = {"MAX_REVERT_ATTEMPS": 3}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "MAX_REVERT_ATTEMPS": 3}
     assert ids(check_settings()) == ["events_ledger.W001"]
 
 
@@ -142,7 +142,7 @@ def test_settings_are_read_on_access(settings):  # S4
     from events_ledger.conf import ledger_settings
 
     assert ledger_settings.REVERT_CLAIM_TTL == timedelta(minutes=15)
-    settings.EVENTS_LEDGER = {"REVERT_CLAIM_TTL": 30}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "REVERT_CLAIM_TTL": 30}
     assert ledger_settings.REVERT_CLAIM_TTL == timedelta(seconds=30)
 
 
@@ -153,7 +153,11 @@ def test_each_setting_is_a_typed_attribute(settings):  # S4, #13
 
     typed = {name for name, value in vars(LedgerSettings).items() if hasattr(value, "check")}
     assert typed == set(DEFAULTS)  # a key without its typed attribute, or one too many
-    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 7, "STEP_CLAIM_TTL": 2.5}
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        "CLEANUP_RUN_BATCH": 7,
+        "STEP_CLAIM_TTL": 2.5,
+    }
     assert ledger_settings.CLEANUP_RUN_BATCH == 7
     assert ledger_settings.STEP_CLAIM_TTL == timedelta(seconds=2.5)
     assert ledger_settings.RECONCILE_MAX_ORPHAN_FRACTION == 0.5

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -31,7 +31,7 @@ from events_ledger.retention import (
     read_archive,
 )
 from tests.factories import LogFactory, ResourceFactory, RunFactory, StepFactory
-from tests.helpers import PATIENCE_S, wait_until
+from tests.helpers import PATIENCE_S, connection, wait_until
 from tests.processes import ROOT, child_env, finish, start
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -149,7 +149,7 @@ def test_a_run_that_owes_something_after_the_read_is_kept_by_the_lock():  # #28:
     assert history.prunable([run.pk], cutoff) == [run.pk]
     # Between the read and the batch, a late answer records a row on the run.
     ResourceFactory(run=run, status="confirmed")
-    with transaction.atomic():
+    with transaction.atomic(using=connection.alias):
         assert history.lock([run.pk], cutoff) == []
 
 
@@ -158,7 +158,7 @@ def test_the_database_itself_refuses_to_delete_a_run_that_owes_something():  # #
     before = whole(run.pk)
     # Even a delete that skipped every check fails on the run's foreign key: the
     # unresolved row is never deleted, so the run's own DELETE cannot go.
-    with pytest.raises(IntegrityError), transaction.atomic():
+    with pytest.raises(IntegrityError), transaction.atomic(using=connection.alias):
         History().delete([run.pk])
     assert whole(run.pk) == before
 
@@ -260,7 +260,11 @@ def test_a_dry_runs_figures_are_the_real_prunes_and_it_names_the_runs():  # #28,
 def test_retention_from_the_setting(settings):  # #28: RETENTION
     old_run()
     young = old_run(days=3)
-    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "RETENTION": timedelta(days=7)}
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        **settings.EVENTS_LEDGER,
+        "RETENTION": timedelta(days=7),
+    }
     code, out, _ = command()
     assert code == 0 and "removed 1 runs" in out
     assert list(EventRun.objects.values_list("pk", flat=True)) == [young.pk]
@@ -438,6 +442,7 @@ def test_prune_as_a_django_task_and_a_celery_task(settings, tmp_path):  # #28: t
     first, second = old_run(name="a"), old_run(name="b")
     assert celery_prune.run() == {"kept_for_ever": True, "runs": 0}  # RETENTION unset
     settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
         **settings.EVENTS_LEDGER,
         "RETENTION": KEEP,
         "ARCHIVE": str(tmp_path / "c.jsonl.gz"),

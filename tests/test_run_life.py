@@ -9,6 +9,7 @@ import pytest
 from django.db import IntegrityError, transaction
 
 from events_ledger import InvalidTransition
+from events_ledger.db import ledger_db
 from events_ledger.models import EventRun
 from events_ledger.states import RUN_MOVES, RUN_STATUSES, RUN_TERMINAL
 from tests.helpers import new_run
@@ -48,12 +49,12 @@ def test_every_move_of_the_machine_is_made_once_and_refreshes_the_instance():  #
 
 
 def test_the_database_refuses_a_status_that_is_none():  # R, #35: whatever path writes it
-    with pytest.raises(IntegrityError), transaction.atomic():
+    with pytest.raises(IntegrityError), transaction.atomic(using=ledger_db()):
         EventRun.objects.create(name="typo", status="finished")
     run = new_run(status="running")
-    with pytest.raises(IntegrityError), transaction.atomic():
+    with pytest.raises(IntegrityError), transaction.atomic(using=ledger_db()):
         EventRun.objects.filter(pk=run.pk).update(status="complete")
-    with pytest.raises(IntegrityError), transaction.atomic():
+    with pytest.raises(IntegrityError), transaction.atomic(using=ledger_db()):
         EventRun.objects.filter(pk=run.pk).update(cleanup_status="done")
     assert EventRun.objects.get(pk=run.pk).status == "running"
 
@@ -181,7 +182,7 @@ def test_why_is_this_stuck_reads_a_claims_age_by_the_databases_clock(monkeypatch
     from events_ledger.models import EventRunResource
     from tests.factories import ResourceFactory, RunFactory
 
-    settings.EVENTS_LEDGER = {"REVERT_CLAIM_TTL": timedelta(minutes=10)}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "REVERT_CLAIM_TTL": timedelta(minutes=10)}
     run = RunFactory(status="cancelled", cleanup_status="pending")
     row = ResourceFactory(run=run, status="reverting")
     EventRunResource.objects.filter(pk=row.pk).update(updated_at=UtcNow() - timedelta(minutes=5))
@@ -207,7 +208,7 @@ def test_the_dry_run_lists_the_batch_the_pass_would_take(settings, isolated_regi
     from tests.helpers import ledger_action
 
     ledger_action(isolated_registry)
-    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 1}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "CLEANUP_RUN_BATCH": 1}
     worked = RunFactory(status="cancelled", cleanup_status="pending")
     ResourceFactory(run=worked, owner_module="t", status="reverting")  # claimed just now
     owing = RunFactory(status="cancelled", cleanup_status="pending")

@@ -95,7 +95,11 @@ def test_a_step_failed_for_good_fails_the_run_and_nothing_after_it_runs(isolated
 
 
 def test_a_retried_step_is_tried_again_within_the_attempt_bound(isolated_registry, settings):  # W5
-    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "MAX_STEP_ATTEMPTS": 3}
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        **settings.EVENTS_LEDGER,
+        "MAX_STEP_ATTEMPTS": 3,
+    }
     calls: list[str] = []
     _recording(isolated_registry, calls, {"flaky": [RuntimeError("lost"), {"ok": False}]})
     run = new_run()

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection
 
 from events_ledger.background import keeper
 from events_ledger.cleanup import cleanup_run, reconcile_module, sweep
@@ -41,7 +40,7 @@ from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResou
 from events_ledger.retention import History, prune, read_archive
 from project.world.models import Arena, Call, Creature, RegionSetting
 from tests import faults
-from tests.helpers import new_run, phased_run, spawn_step
+from tests.helpers import connection, new_run, phased_run, spawn_step
 from tests.test_retention import KEEP, old_run, same_document, whole
 
 proxied_db = faults.proxied_db
@@ -58,7 +57,11 @@ SETTLE_S = 30.0
 
 @pytest.fixture
 def short_ttls(settings: Any, world: Any) -> Iterator[None]:
-    settings.EVENTS_LEDGER = {"STEP_CLAIM_TTL": TTL, "REVERT_CLAIM_TTL": TTL}
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        "STEP_CLAIM_TTL": TTL,
+        "REVERT_CLAIM_TTL": TTL,
+    }
     yield
 
 
@@ -245,7 +248,7 @@ def _under_server_faults(
 
 @contextlib.contextmanager
 def _fast_path(on: bool, settings: Any) -> Iterator[None]:
-    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "FAST_PATH": on}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, **settings.EVENTS_LEDGER, "FAST_PATH": on}
     yield
 
 
@@ -345,7 +348,7 @@ def test_a_sweep_pass_with_the_default_revert_ttl_strands_nothing_whatever_round
     # handed back by this process's next pass, not wait the TTL out (with a token minted
     # inside the claim, nobody knew it: on a419c07 the rows stayed `reverting`, and each
     # lost claim counted toward the poison limit).
-    settings.EVENTS_LEDGER = {"STEP_CLAIM_TTL": TTL}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "STEP_CLAIM_TTL": TTL}
     tally = Tally()
     _under_proxy_faults(proxied_db, tally, _pass_input, _pass_unit, _pass_check)
     tally.report(figure, "a sweep pass (default revert TTL)")
@@ -636,7 +639,11 @@ def test_a_claim_whose_answer_was_lost_on_the_last_attempt_is_not_failed_for_goo
     """The general path's first transaction commits its claim and the answer is lost.
     No call was made under the claim: handed back with its attempt not counted, the
     step is still to be tried, never failed for good on its last attempt unperformed."""
-    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "FAST_PATH": False}
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        **settings.EVENTS_LEDGER,
+        "FAST_PATH": False,
+    }
     connection.ensure_connection()
     max_attempts = 3
     _fresh_world()

@@ -8,14 +8,13 @@ import threading
 from datetime import timedelta
 
 import pytest
-from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from events_ledger.cleanup import cleanup_run, sweep
 from events_ledger.models import EventRun, EventRunLog, EventRunResource
 from tests.factories import ResourceFactory, RunFactory
-from tests.helpers import ledger_action, new_step
+from tests.helpers import connection, ledger_action, new_step
 
 Res = EventRunResource.objects
 
@@ -45,7 +44,7 @@ def _pass_cost(n_runs: int, groups: int) -> tuple[int, list[str]]:
 def test_a_pass_costs_the_same_statements_for_1_and_10_runs(isolated_registry, settings):
     # C5, #12: one scan, one read of the rows with their steps, one claim, one
     # write per kind of verdict, one settle for every summary, one log INSERT.
-    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 10}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "CLEANUP_RUN_BATCH": 10}
     ledger_action(isolated_registry)
     one, _ = _pass_cost(1, 1)
     ten, sqls = _pass_cost(10, 3)
@@ -72,7 +71,11 @@ def test_a_pass_over_one_run_is_this_many_statements(isolated_registry):  # C5, 
 @pytest.mark.django_db(transaction=True)
 def test_a_pass_calls_its_modules_in_parallel(isolated_registry, settings):  # #12
     """Eight reverts meet at a barrier: only calls made at the same time can pass it."""
-    settings.EVENTS_LEDGER = {"CLEANUP_CONCURRENCY": 8, "CLEANUP_RUN_BATCH": 4}
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        "CLEANUP_CONCURRENCY": 8,
+        "CLEANUP_RUN_BATCH": 4,
+    }
     barrier = threading.Barrier(8, timeout=30)
     met: list[int] = []
 
@@ -90,7 +93,11 @@ def test_a_pass_calls_its_modules_in_parallel(isolated_registry, settings):  # #
 
 @pytest.mark.django_db(transaction=True)
 def test_concurrency_bounds_the_calls_in_flight(isolated_registry, settings):  # #12, S4
-    settings.EVENTS_LEDGER = {"CLEANUP_CONCURRENCY": 3, "CLEANUP_RUN_BATCH": 10}
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        "CLEANUP_CONCURRENCY": 3,
+        "CLEANUP_RUN_BATCH": 10,
+    }
     lock = threading.Lock()
     now = [0]
     most = [0]
@@ -118,7 +125,7 @@ def test_concurrency_bounds_the_calls_in_flight(isolated_registry, settings):  #
 def test_a_stopped_pass_hands_back_what_it_did_not_call(isolated_registry, settings):
     # C5, R5: asked to stop, the calls in hand finish; the rest are not called, and
     # their rows are claimable at once, their claim not counted against them.
-    settings.EVENTS_LEDGER = {"CLEANUP_CONCURRENCY": 1}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "CLEANUP_CONCURRENCY": 1}
     calls: list[str] = []
     stop = threading.Event()
 
@@ -240,7 +247,7 @@ def test_one_run_cleanup_is_a_batch_of_one(isolated_registry):  # C4
 def test_reconcile_asks_in_parallel_too(isolated_registry, settings):  # C6, #12
     from events_ledger.cleanup import reconcile_module
 
-    settings.EVENTS_LEDGER = {"CLEANUP_CONCURRENCY": 4}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "CLEANUP_CONCURRENCY": 4}
     barrier = threading.Barrier(4, timeout=30)
 
     def reconcile(*, run_id, resources):
@@ -282,7 +289,7 @@ def test_a_pass_leaves_runs_another_sweeper_holds_claimed_to_it(isolated_registr
     # C5, R5, #27: sweepers started together took the same first runs and split them, so
     # more sweepers gave back less. A fresh claim is another sweeper's work; the scan
     # passes over it and takes the next runs. A claim gone stale is taken again.
-    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 2}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "CLEANUP_RUN_BATCH": 2}
     ledger_action(isolated_registry)
     held, *free = _runs(4)
     claim = Res.claim_group(list(Res.filter(run=held)), ttl=timedelta(minutes=5))
@@ -304,7 +311,11 @@ def test_a_sweeper_with_a_backlog_repairs_at_most_every_so_often(isolated_regist
     # repairs on its first pass, on every pass after a scan with room, and while its
     # scans come back full at most every CLEANUP_REPAIR_EVERY; the summary still ends
     # repaired.
-    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 2, "CLEANUP_REPAIR_EVERY": 3600}
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        "CLEANUP_RUN_BATCH": 2,
+        "CLEANUP_REPAIR_EVERY": 3600,
+    }
     ledger_action(isolated_registry)
     _runs(5)  # a backlog: two passes with full scans, then one with room
 
@@ -321,12 +332,20 @@ def test_a_sweeper_with_a_backlog_repairs_at_most_every_so_often(isolated_regist
     assert report.repair_skipped and report.repaired_runs == []
     assert len(report.runs) == 2
     assert EventRun.objects.get(pk=second.pk).cleanup_status == "incomplete"
-    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 2, "CLEANUP_REPAIR_EVERY": 0.001}
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        "CLEANUP_RUN_BATCH": 2,
+        "CLEANUP_REPAIR_EVERY": 0.001,
+    }
     report = sweep()  # the interval has passed
     assert (second.pk, "complete") in report.repaired_runs
     assert len(report.runs) == 1  # the scan has room now
     third = stale()
-    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 2, "CLEANUP_REPAIR_EVERY": 3600}
+    settings.EVENTS_LEDGER = {
+        **settings.EVENTS_LEDGER,
+        "CLEANUP_RUN_BATCH": 2,
+        "CLEANUP_REPAIR_EVERY": 3600,
+    }
     report = sweep()  # no backlog: every pass repairs, as before
     assert (third.pk, "complete") in report.repaired_runs
     assert report.runs == [] and not report.repair_skipped

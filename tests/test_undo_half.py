@@ -8,7 +8,6 @@ import time
 from collections import Counter
 
 import pytest
-from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from events_ledger import Action
@@ -28,6 +27,7 @@ from project.world.models import Call, Creature, RegionSetting
 from tests.conftest import age_rows
 from tests.factories import ResourceFactory, RunFactory
 from tests.helpers import (
+    connection,
     lease_step,
     ledger_action,
     new_run,
@@ -485,7 +485,7 @@ def test_one_runs_failure_does_not_stop_the_sweep(isolated_registry, monkeypatch
 
 @pytest.mark.django_db
 def test_sweep_takes_at_most_the_batch(isolated_registry, settings):  # C5, S4
-    settings.EVENTS_LEDGER = {"CLEANUP_RUN_BATCH": 2}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "CLEANUP_RUN_BATCH": 2}
     ledger_action(isolated_registry)
     for _ in range(3):
         run = RunFactory(status="completed", cleanup_status="pending")
@@ -496,7 +496,7 @@ def test_sweep_takes_at_most_the_batch(isolated_registry, settings):  # C5, S4
 
 @pytest.mark.django_db
 def test_groups_per_run_are_bounded(isolated_registry, settings):  # C4, S4
-    settings.EVENTS_LEDGER = {"CLEANUP_GROUPS_PER_RUN": 2}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "CLEANUP_GROUPS_PER_RUN": 2}
     ledger_action(isolated_registry)
     run = RunFactory(status="completed", cleanup_status="pending")
     for i in range(3):
@@ -628,7 +628,7 @@ def test_a_sweep_survives_its_connection_dying_mid_run(
 
     def revert_and_kill_the_sweepers_connection(**kw):
         # The module answers, but the server drops the sweeper's session before the verdict.
-        with connections["default"].cursor() as c:
+        with connections[connection.alias].cursor() as c:
             if vendor == "mysql":
                 c.execute("KILL CONNECTION %s", [sweeper_session])
             else:
@@ -782,7 +782,7 @@ def test_verdicts_in_hand_keep_their_claims_fresh_and_are_written_by_the_process
 
     if vendor == "sqlite":
         pytest.skip("the keeper's own connection needs a server database")
-    settings.EVENTS_LEDGER = {"REVERT_CLAIM_TTL": 0.4}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "REVERT_CLAIM_TTL": 0.4}
     calls: list[int] = []
     ledger_action(
         isolated_registry, revert=lambda run_id, **kw: calls.append(run_id) or {"ok": True}

@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
@@ -22,7 +21,7 @@ from events_ledger.ledger import (
 from events_ledger.models import STEP_KIND, EventRunLog, EventRunResource, EventRunStep
 from project.world.models import Creature, RegionSetting
 from tests.factories import ResourceFactory
-from tests.helpers import lease_step, new_run, new_step, spawn_step, step_ttl
+from tests.helpers import connection, lease_step, new_run, new_step, spawn_step, step_ttl
 
 Res = EventRunResource.objects
 LEDGER = Action(
@@ -396,7 +395,7 @@ def test_nothing_but_explicit_success_is_success(isolated_registry, answer, outc
 
 @pytestmark_world
 def test_a_perform_that_raises_is_a_failed_attempt(world, isolated_registry, settings):  # W5
-    settings.EVENTS_LEDGER = {"MAX_STEP_ATTEMPTS": 2}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "MAX_STEP_ATTEMPTS": 2}
     world.switch_on("spawn.raise")
     run = new_run()
     step = spawn_step(run)
@@ -641,7 +640,7 @@ def test_a_claim_between_the_read_and_the_claim_is_counted(
     (a bound of 1 fails the step without a call, as a read-back count did)."""
     from events_ledger.querysets import EventRunStepQuerySet
 
-    settings.EVENTS_LEDGER = {"MAX_STEP_ATTEMPTS": bound}
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "MAX_STEP_ATTEMPTS": bound}
     calls: list[str] = []
     _making(isolated_registry, calls=calls)
     step = new_step(new_run(), "t.make")

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any
 
-from django.db import DatabaseError, close_old_connections, connection
+from django.db import DatabaseError, close_old_connections, connections
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
@@ -25,6 +25,7 @@ from events_ledger.cleanup import (
     write_verdicts_in_hand,
 )
 from events_ledger.conf import ledger_settings
+from events_ledger.db import ledger_db
 from events_ledger.diagnosis import plan_lines
 from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
 from events_ledger.models import EventRun
@@ -131,8 +132,9 @@ class Command(LedgerCommand):
                     if written
                     else _("run %(id)s: its verdicts could not be written.") % {"id": run.pk},
                 )
-            self._report([summary], {})
             incomplete = summary.cleanup_status == CleanupStatus.INCOMPLETE
+            # The document says what the exit status says: this run needs a human.
+            self._report([summary], {}, stuck=[run.pk] if incomplete else [])
             return self.finish(
                 NEEDS_HUMAN if incomplete else OK,
                 _("run %(id)s is incomplete: a human must look.") % {"id": run.pk},
@@ -368,7 +370,8 @@ class Command(LedgerCommand):
 
         def request_stop(signum: int, frame: Any) -> None:
             if self.verbosity:
-                self.stdout.write(
+                # Beside the JSON documents, never among them.
+                (self.stderr if self.as_json else self.stdout).write(
                     _("signal %(signal)s: finishing the calls in hand, then stopping")
                     % {"signal": signum}
                 )
@@ -399,7 +402,7 @@ class Command(LedgerCommand):
                     # that went away between passes is reconnected to on the next.
                     try:
                         close_old_connections()
-                        connection.close()
+                        connections[ledger_db()].close()
                     except DatabaseError:
                         logger.debug("closing a dead connection failed", exc_info=True)
                 stop.wait(wait)

@@ -7,7 +7,7 @@ from typing import Any
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
-from events_ledger.cleanup import reconcile_all, reconcile_module
+from events_ledger.cleanup import reconcile_all
 from events_ledger.management.base import NEEDS_HUMAN, OK, LedgerCommand
 from events_ledger.models import EventRunResource
 
@@ -39,9 +39,8 @@ class Command(LedgerCommand):
                     _("The module %(owner)r has no live rows (modules with live rows: %(known)s).")
                     % {"owner": owner, "known": known}
                 )
-            results = {owner: reconcile_module(owner, force=opts["force"])}
-        else:
-            results = reconcile_all(force=opts["force"])
+        # One module or all, a reconcile that fails is reported as a summary's error.
+        results = reconcile_all(force=opts["force"], owners=None if owner is None else [owner])
         held_back = [s for s in results.values() if s.held_back]
         failed = [s for s in results.values() if s.errors]
         if opts["json"]:
