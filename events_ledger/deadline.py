@@ -46,6 +46,13 @@ def _note_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
     if opened is None:
         return
     server_id = None
+    if connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"):
+        # Behind a pooler in transaction mode (what Django asks this setting for), a
+        # session serves this connection for one transaction only: the session an id
+        # names now serves another client when the deadline comes, and ending it would
+        # kill that client's work. The abandoned call keeps its session until it ends.
+        opened.append((connection.alias, connection.vendor, None, connection))
+        return
     try:
         with connection.cursor() as cursor:
             if connection.vendor == "mysql":

@@ -85,6 +85,11 @@ def _tuned(db: dict[str, Any], alias: str) -> dict[str, Any]:
     # tests and the in-flight property machine with it on too (the ledger's commits stay
     # its own).
     db["ATOMIC_REQUESTS"] = env.bool("DATABASE_ATOMIC_REQUESTS", default=False)
+    # Behind a pooler in transaction mode (PgBouncer): a session serves one transaction,
+    # so no cursor may outlive it (Django's advice), and the ledger kills no session by
+    # its id (it would be another client's by then). `make test` runs a suite so.
+    if env.bool("DATABASE_TRANSACTION_POOLER", default=False):
+        db["DISABLE_SERVER_SIDE_CURSORS"] = True
     if db["ENGINE"].endswith("sqlite3"):
         # A file, also for tests: the deadline's worker threads and the race tests' child
         # processes must see the same database as the test itself.

@@ -37,6 +37,8 @@ requests, when a proxy is in front), so a test can loop k = 1..N.
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import os
 import re
 import sys
 import threading
@@ -132,6 +134,37 @@ def session_of(conn: Any) -> int:
         return int(raw.thread_id())
     info = getattr(raw, "info", None)
     return int(info.backend_pid if info is not None else raw.get_backend_pid())
+
+
+def pooled(conn: Any) -> bool:
+    """Behind a pooler in transaction mode (the alias says so as Django asks it to), a
+    PostgreSQL session serves this connection for one transaction at a time."""
+    return conn.vendor == "postgresql" and bool(
+        conn.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
+    )
+
+
+def server_kinds(conn: Any) -> tuple[str, ...]:
+    """The server faults a connection can be given. Behind a transaction pooler a
+    session-level timeout (``SET lock_timeout``) lands on whichever session is free, not
+    on the victim's next statement: those two kinds are proven on the direct runs."""
+    if pooled(conn):
+        return ("interrupt", "kill_session")
+    return SERVER_FAULT_KINDS
+
+
+_victims = itertools.count(1)
+
+
+def victim_of(conn: Any) -> int | str:
+    """How the watcher finds the victim's session: its id, or, behind a transaction
+    pooler, the application_name the pooler sets on whichever session serves it."""
+    if not pooled(conn):
+        return session_of(conn)
+    name = f"ledger-victim-{os.getpid()}-{next(_victims)}"
+    conn.ensure_connection()
+    _run(conn.connection, "SELECT set_config('application_name', %s, false)", [name])
+    return name
 
 
 def close_quietly(conn: Any) -> None:
@@ -481,7 +514,7 @@ class _FaultWrapper:
     def _faulted(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
         conn = context["connection"]
         fault = self.fault
-        holder = _Holder(fault.kind, fault.vendor, session_of(conn), self.tables, self.alias)
+        holder = _Holder(fault.kind, fault.vendor, victim_of(conn), self.tables, self.alias)
         holder.patience_s = self.patience_s
         holder.start()
         if not holder.ready.wait(self.patience_s) or holder.error is not None:
@@ -592,7 +625,12 @@ class _Holder(threading.Thread):
     victim's transaction wrote gets row locks instead (INSERTs into it then pass)."""
 
     def __init__(
-        self, kind: str, vendor: str, victim: int, tables: list[tuple[str, list[str]]], alias: str
+        self,
+        kind: str,
+        vendor: str,
+        victim: int | str,
+        tables: list[tuple[str, list[str]]],
+        alias: str,
     ) -> None:
         super().__init__(daemon=True, name=f"fault-holder-{kind}")
         self.kind = kind
@@ -790,6 +828,17 @@ class _Holder(threading.Thread):
                 writes = info is not None and classify(0, str(info)).faultable
                 blocked = bool(self.partial) and writes and waits > self.baseline
                 return _VictimState(blocked=blocked, query_id=int(query_id))
+            if isinstance(self.victim, str):
+                # Behind a pooler: the session serving the victim's transaction now.
+                cursor.execute(
+                    "SELECT pid, wait_event_type FROM pg_stat_activity "
+                    "WHERE application_name = %s AND state = 'active'",
+                    [self.victim],
+                )
+                row = cursor.fetchone()
+                if row is None:
+                    return _VictimState(ended=True)
+                return _VictimState(blocked=row[1] == "Lock", pid=int(row[0]))
             cursor.execute(
                 "SELECT state, wait_event_type FROM pg_stat_activity WHERE pid = %s",
                 [self.victim],
@@ -800,7 +849,7 @@ class _Holder(threading.Thread):
             state, wait = row
             if state != "active":
                 return _VictimState(ended=True)
-            return _VictimState(blocked=wait == "Lock")
+            return _VictimState(blocked=wait == "Lock", pid=int(self.victim))
         finally:
             cursor.close()
 
@@ -830,7 +879,7 @@ class _Holder(threading.Thread):
             return
         function = "pg_cancel_backend" if self.kind == "interrupt" else "pg_terminate_backend"
         cursor = watcher.cursor()
-        cursor.execute(f"SELECT {function}(%s)", [self.victim])
+        cursor.execute(f"SELECT {function}(%s)", [state.pid])
         self.acted = bool(cursor.fetchone()[0])
         cursor.close()
 
@@ -841,3 +890,4 @@ class _VictimState:
     ended: bool = False  # not running a statement
     gone: bool = False  # the session no longer exists
     query_id: int = 0
+    pid: int = 0  # PostgreSQL: the session running the victim's statement

@@ -48,7 +48,6 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 Res = EventRunResource.objects
 FULL = os.environ.get("LEDGER_CHAOS") == "long"
 PROXY_KINDS = ("lose_reply", "reset")
-SERVER_KINDS = ("lock_wait", "interrupt", "statement_timeout", "kill_session")
 #: The TTLs a fault may leave a claim waiting for: short, so a trial ends in seconds.
 TTL = timedelta(seconds=1)
 #: How long the clean-up after a fault may take: the TTL, and passes to spare.
@@ -227,7 +226,7 @@ def _under_server_faults(
     check(first, "unfaulted", spawned)
     assert work.error is None, work.error
     assert work.faultable, "the unit wrote nothing"
-    for kind in SERVER_KINDS:
+    for kind in faults.server_kinds(connection):
         for k in _sample(work.faultable):
             tag = f"{kind}@{k}"
             _fresh_world()
