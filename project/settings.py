@@ -118,6 +118,14 @@ _tuned(DATABASES["default"], "default")
 if env("LEDGER_DATABASE_URL", default=""):
     DATABASES["ledger"] = _tuned(env.db("LEDGER_DATABASE_URL"), "ledger")
     DATABASE_ROUTERS = ["events_ledger.routers.LedgerRouter"]
+# A streaming replica behind a router that sends the ledger's reads to it, as a host's
+# replica router would: `make test` runs both halves and the chaos scenarios so. A mirror
+# while the test databases are made (a standby creates nothing); the tests then read the
+# standby's own copy (tests/conftest.py).
+elif env("DATABASE_REPLICA_URL", default=""):
+    DATABASES["replica"] = _tuned(env.db("DATABASE_REPLICA_URL"), "replica")
+    DATABASES["replica"].setdefault("TEST", {})["MIRROR"] = "default"
+    DATABASE_ROUTERS = ["project.routers.ReadsFromReplica"]
 
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

@@ -91,6 +91,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     if len(settings.DATABASES) == 1:
         return
+    # A mirror (the streaming replica) is read only where a test names it: a test's own
+    # transaction there would hold the standby's replay back.
+    aliases = [
+        alias for alias, db in settings.DATABASES.items() if not db.get("TEST", {}).get("MIRROR")
+    ]
     for item in items:
         marker = item.get_closest_marker("django_db")
         uses_db = {"db", "transactional_db"} & set(getattr(item, "fixturenames", ()))
@@ -99,4 +104,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         kwargs = dict(marker.kwargs) if marker else {}
         if marker is None and "transactional_db" in uses_db:
             kwargs["transaction"] = True
-        item.add_marker(pytest.mark.django_db(databases="__all__", **kwargs), append=False)
+        item.add_marker(pytest.mark.django_db(databases=aliases, **kwargs), append=False)
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: Any, django_db_blocker: Any) -> Any:
+    """With a streaming replica (``DATABASE_REPLICA_URL``): made as a mirror (a standby
+    creates nothing), then pointed at the standby's own copy of the test database, so a
+    read routed there is a read of the replica, lag and all."""
+    from django.db import connections
+
+    if "replica" in connections.settings:
+        replica = connections["replica"]
+        replica.close()
+        replica.settings_dict = {
+            **connections.settings["replica"],
+            "NAME": connections["default"].settings_dict["NAME"],
+        }
+    yield

@@ -5,6 +5,7 @@ host's tables on SQLite and the ledger's on PostgreSQL)."""
 
 from __future__ import annotations
 
+import os
 from io import StringIO
 
 import pytest
@@ -16,7 +17,7 @@ from events_ledger.db import ledger_db
 from events_ledger.models import EventRun, EventRunResource, EventRunStep
 from events_ledger.routers import LedgerRouter
 from project.world.models import Creature
-from tests.helpers import new_run, spawn_step
+from tests.helpers import new_run, spawn_step, wait_until
 
 world_db = pytest.mark.django_db(transaction=True)
 
@@ -80,3 +81,35 @@ def test_the_router_migrates_the_ledger_on_its_alias_only(settings):  # the own 
     assert router.allow_migrate("ledger2", "auth") is False  # the alias is the ledger's
     assert router.allow_migrate("default", "auth") is None  # the host decides
     assert router.db_for_read(EventRun) == ledger_db() == "ledger2"
+
+
+@pytest.mark.skipif(
+    not os.environ.get("DATABASE_REPLICA_URL"), reason="a streaming replica (make test's run)"
+)
+@pytest.mark.django_db(transaction=True, databases=["default", "replica"])
+def test_a_replica_behind_the_hosts_router_lags_and_the_ledger_never_reads_it(world):  # R, C
+    from django.db import DatabaseError, router
+
+    assert router.db_for_read(EventRun) == "replica"  # the host's router says so
+
+    def replica_has_the_test_database() -> bool:
+        try:
+            return EventRun.objects.using("replica").count() >= 0
+        except DatabaseError:
+            return False  # made on the primary; the standby replays it after its delay
+
+    wait_until(replica_has_the_test_database, "the test database on the replica")
+    run = new_run()
+    # The replica is real and behind: what was just committed is not on it yet.
+    assert not EventRun.objects.using("replica").filter(pk=run.pk).exists()
+    # The ledger reads what it has just written: the step it claims, the run it ends.
+    step = spawn_step(run, count=2)
+    assert execute_step(step).outcome == "done"
+    assert EventRun.objects.transition(run, "cancelled", from_="running")
+    assert cleanup_run(run).reverted == 2 and Creature.objects.count() == 0
+    wait_until(
+        lambda: (
+            EventRun.objects.using("replica").filter(pk=run.pk, cleanup_status="complete").exists()
+        ),
+        "the replica to catch up",
+    )
