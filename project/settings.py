@@ -90,6 +90,12 @@ def _tuned(db: dict[str, Any], alias: str) -> dict[str, Any]:
     # its id (it would be another client's by then). `make test` runs a suite so.
     if env.bool("DATABASE_TRANSACTION_POOLER", default=False):
         db["DISABLE_SERVER_SIDE_CURSORS"] = True
+    # Django's own pool (PostgreSQL, psycopg 3; CONN_MAX_AGE must stay 0 with it): each
+    # thread's connection is taken from it and given back, the deadline's and the
+    # keeper's threads too. `make test` runs the web process, Celery and db_worker so.
+    if env.bool("DATABASE_POOL", default=False) and db["ENGINE"].endswith("postgresql"):
+        db.setdefault("OPTIONS", {})["pool"] = {"min_size": 1, "max_size": 8, "timeout": 30}
+        db["CONN_MAX_AGE"] = 0
     if db["ENGINE"].endswith("sqlite3"):
         # A file, also for tests: the deadline's worker threads and the race tests' child
         # processes must see the same database as the test itself.

@@ -33,7 +33,7 @@ from django.utils import timezone
 from events_ledger.ledger import execute_step
 from events_ledger.models import EventRun, EventRunResource, EventRunStep
 from project.world.models import Call, Creature, RegionSetting
-from tests.helpers import PATIENCE_S, new_run, spawn_step, wait_until
+from tests.helpers import PATIENCE_S, connection, new_run, spawn_step, wait_until
 from tests.processes import ROOT, child_env
 
 REDIS_URL = os.environ.get("REDIS_URL", "")
@@ -205,7 +205,9 @@ def test_a_worker_keeps_its_connection_between_steps_only_when_told(
     extra = {"LEDGER_CHILD_CONNECTIONS_LOG": str(log), "CELERY_DB_REUSE_MAX": "0"}
     if kept:
         url = os.environ["DATABASE_URL"]
-        extra["DATABASE_URL"] = url + ("&" if "?" in url else "?") + "conn_max_age=300"
+        extra["DATABASE_URL"] = (
+            url + ("&" if "?" in url else "?") + "conn_max_age=300&conn_health_checks=true"
+        )
         extra["CELERY_DB_REUSE_MAX"] = "1000"
     workers.start(celery_app, 1, concurrency=1, **extra)
     run = new_run(name="kept" if kept else "not kept", status="running")
@@ -217,8 +219,31 @@ def test_a_worker_keeps_its_connection_between_steps_only_when_told(
     opened = log.read_text().splitlines()
     if kept:
         assert opened == [], opened
+        # The server drops the kept connection between tasks (a restart, a timeout):
+        # the health check finds it dead and the next step gets a new one, not an error.
+        _end_other_sessions()
+        more = EventRunStep.objects.create(run=run, action_id="bench.noop", seq=len(steps))
+        assert step_task.delay(more.pk).get(timeout=PATIENCE_S)["outcome"] == "done"
+        assert len(log.read_text().splitlines()) == 1
     else:
         assert len(opened) >= len(steps) - 1, opened
+
+
+def _end_other_sessions() -> None:
+    """End every other session of the test database, as a server restart would."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            return
+        cursor.execute(
+            "SELECT ID FROM information_schema.PROCESSLIST WHERE DB = DATABASE() "
+            "AND ID <> CONNECTION_ID()"
+        )
+        for (session,) in cursor.fetchall():
+            cursor.execute("KILL CONNECTION %s", [session])
 
 
 def test_runs_steps_sweeps_and_reconciles_on_celery_workers(world, celery_app, workers):  # W5, C5

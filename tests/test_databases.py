@@ -113,3 +113,30 @@ def test_a_replica_behind_the_hosts_router_lags_and_the_ledger_never_reads_it(wo
         ),
         "the replica to catch up",
     )
+
+
+@pytest.mark.skipif(not os.environ.get("DATABASE_POOL"), reason="Django's pool (make test's run)")
+@world_db
+def test_the_pool_lends_the_ledgers_threads_a_connection_and_gets_it_back(settings, world):
+    # Django's pool: every thread's connection is taken from it, the deadline's worker
+    # threads and the claim keeper's too, and must be given back when they are done,
+    # or a pass a minute leaks the pool dry.
+    from django.db import connections
+
+    pool = connections[ledger_db()].pool
+    assert pool is not None
+    settings.EVENTS_LEDGER = {**settings.EVENTS_LEDGER, "CLEANUP_CONCURRENCY": 4}
+    runs = []
+    for n in range(4):
+        run = new_run(name=f"pooled-{n}")
+        for seq in range(2):
+            assert execute_step(spawn_step(run, f"r{n}", 1, seq=seq)).outcome == "done"
+        assert EventRun.objects.transition(run, "cancelled", from_="running")
+        runs.append(run)
+    from events_ledger import sweep
+
+    report = sweep()
+    assert sum(s.reverted for s in report.runs) == 8 and Creature.objects.count() == 0
+    stats = pool.get_stats()
+    lent = stats["pool_size"] - stats["pool_available"]
+    assert lent <= 1, stats  # this thread's, at most: every worker thread's came back
