@@ -6,13 +6,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
-from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 
 from .conf import ledger_settings
-from .db import bounded, ledger_db, refuse_callers_transaction, storable, storable_json
+from .db import (
+    bounded,
+    dropping_dead,
+    in_transaction,
+    refuse_callers_transaction,
+    storable,
+    storable_json,
+)
 from .ledger import StepResult, execute_step
 from .models import EventRun, EventRunLog, EventRunResource, EventRunStep
 from .querysets import new_token
@@ -238,7 +245,8 @@ def end_run(
             f"{status!r} does not end a run (a run ends {', '.join(RUN_TERMINAL)})"
         )
     reason = _reason(reason, "ending a run by hand")
-    with transaction.atomic(using=ledger_db()):
+
+    def end() -> bool:
         ended = EventRun.objects.transition(
             run, status, from_=(RunStatus.PENDING, RunStatus.RUNNING)
         )
@@ -248,7 +256,12 @@ def end_run(
                 "run.ended_by_hand",
                 storable_json({"status": status, "by": actor, "reason": reason}),
             )
-    return ended
+        return ended
+
+    # A deadlock victim is run again whole; a connection lost on the way is dropped,
+    # so the caller's next statement (the console's, the command's) gets a new one.
+    with dropping_dead():
+        return in_transaction(end)
 
 
 def _reason(reason: str, what: str) -> str:
@@ -275,32 +288,37 @@ def resolve_by_hand(
 
     Raises ``ValueError`` without a reason."""
     reason = _reason(reason, "resolving a row by hand")
-    ids = [getattr(row, "pk", row) for row in rows]
+    ids = [row.pk if isinstance(row, EventRunResource) else int(row) for row in rows]
     token = new_token()
     note = storable(f"resolved by hand by {actor}: {reason}")[:500]
-    with transaction.atomic(using=ledger_db()):
-        count = EventRunResource.objects.resolve_by_hand(
-            ids, token, note, ledger_settings.REVERT_CLAIM_TTL
+    with dropping_dead():  # as end_run
+        return in_transaction(partial(_resolve, ids, token, note, actor, reason))
+
+
+def _resolve(ids: list[int], token: str, note: str, actor: str, reason: str) -> list[int]:
+    """``resolve_by_hand``'s one transaction: the rows, each run's log line and summary."""
+    count = EventRunResource.objects.resolve_by_hand(
+        ids, token, note, ledger_settings.REVERT_CLAIM_TTL
+    )
+    if not count:
+        return []
+    by_run: dict[int, list[str]] = {}
+    resolved = []
+    for pk, run_id, kind, ref in EventRunResource.objects.filter(
+        claim_token=token, status=ResourceStatus.RESOLVED
+    ).values_list("pk", "run_id", "kind", "ref"):
+        by_run.setdefault(run_id, []).append(f"{kind}:{ref}")
+        resolved.append(pk)
+    for run_id, refs in sorted(by_run.items()):
+        EventRunLog.objects.write(
+            run_id,
+            RESOLVED_BY_HAND,
+            storable_json({"resources": bounded(refs), "by": actor, "reason": reason}),
         )
-        if not count:
-            return []
-        by_run: dict[int, list[str]] = {}
-        resolved = []
-        for pk, run_id, kind, ref in EventRunResource.objects.filter(
-            claim_token=token, status=ResourceStatus.RESOLVED
-        ).values_list("pk", "run_id", "kind", "ref"):
-            by_run.setdefault(run_id, []).append(f"{kind}:{ref}")
-            resolved.append(pk)
-        for run_id, refs in sorted(by_run.items()):
-            EventRunLog.objects.write(
-                run_id,
-                RESOLVED_BY_HAND,
-                storable_json({"resources": bounded(refs), "by": actor, "reason": reason}),
-            )
-        EventRun.objects.settle_cleanups(
-            sorted(by_run),
-            ledger_settings.MAX_REVERT_ATTEMPTS,
-            ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
-            ledger_settings.GIVE_BACK_IN_ORDER,
-        )
+    EventRun.objects.settle_cleanups(
+        sorted(by_run),
+        ledger_settings.MAX_REVERT_ATTEMPTS,
+        ledger_settings.MAX_CLAIMS_WITHOUT_VERDICT,
+        ledger_settings.GIVE_BACK_IN_ORDER,
+    )
     return sorted(resolved)

@@ -38,6 +38,7 @@ from events_ledger.cleanup import cleanup_run, reconcile_module, sweep
 from events_ledger.ledger import execute_step
 from events_ledger.models import STEP_KIND, EventRun, EventRunLog, EventRunResource, EventRunStep
 from events_ledger.retention import History, prune, read_archive
+from events_ledger.runner import RESOLVED_BY_HAND, end_run, resolve_by_hand
 from project.world.models import Arena, Call, Creature, RegionSetting
 from tests import faults
 from tests.helpers import connection, new_run, phased_run, spawn_step
@@ -408,6 +409,101 @@ def test_a_human_retry_gives_back_once_whatever_write_the_server_fails(
     tally = Tally()
     _under_server_faults(tally, _retry_input, _retry_unit, _retry_check)
     tally.report(figure, "a human's retry")
+
+
+# ── an operator ending a run by hand ──
+
+
+def _stuck_input() -> EventRun:
+    """A run still `running` whose step made two creatures: its driver is gone."""
+    run = new_run(name="stuck")
+    assert execute_step(spawn_step(run, "north", 2)).outcome == "done"
+    return run
+
+
+def _end_unit(run: EventRun) -> Any:
+    return end_run(run.pk, "failed", actor="ops", reason="its driver died")
+
+
+def _end_check(run: EventRun, tag: str, spawned: dict[str, str]) -> None:
+    _host_write_survives(tag)
+    logged = EventRunLog.objects.filter(run=run, kind="run.ended_by_hand")
+    status = EventRun.objects.get(pk=run.pk).status
+    # One transaction: the run's end and its log line, or neither.
+    assert (status, logged.count()) in {("running", 0), ("failed", 1)}, f"{tag}: {status}"
+    if status == "running":
+        assert _end_unit(run), f"{tag}: pressed again, it did not end"
+    assert logged.count() == 1 and not _end_unit(run), f"{tag}: ended twice"
+    _end_and_sweep(run, tag)
+    _given_back_once(spawned, tag)
+    _world_at_start(tag)
+
+
+def test_ending_a_run_by_hand_is_whole_or_nothing_whatever_round_trip_fails(
+    proxied_db, short_ttls, figure
+):  # R, C7: the operator's end and its record land together
+    tally = Tally()
+    _under_proxy_faults(proxied_db, tally, _stuck_input, _end_unit, _end_check)
+    tally.report(figure, "ending a run by hand")
+
+
+def test_ending_a_run_by_hand_is_whole_or_nothing_whatever_write_the_server_fails(
+    short_ttls, figure
+):  # R, C7
+    faults.require_server()
+    tally = Tally()
+    _under_server_faults(tally, _stuck_input, _end_unit, _end_check)
+    tally.report(figure, "ending a run by hand")
+
+
+# ── an operator resolving rows by hand ──
+
+
+def _resolve_input() -> EventRun:
+    """A run whose rows spent their attempts, and the ids the operator picked (read here:
+    a read in the unit would be the unit's first faulted round trip)."""
+    run = _retry_input()
+    run.picked = list(Res.filter(run=run).exclude(kind=STEP_KIND).values_list("pk", flat=True))  # type: ignore[attr-defined]
+    return run
+
+
+def _resolve_unit(run: EventRun) -> Any:
+    return resolve_by_hand(run.picked, actor="ops", reason="gone, I checked")  # type: ignore[attr-defined]
+
+
+def _resolve_check(run: EventRun, tag: str, spawned: dict[str, str]) -> None:
+    _host_write_survives(tag)
+    rows = Res.filter(run=run).exclude(kind=STEP_KIND)
+    logged = EventRunLog.objects.filter(run=run, kind=RESOLVED_BY_HAND)
+    # One transaction: whatever the fault cut, the rows and their log line went together.
+    resolved = rows.filter(status="resolved").count()
+    assert (resolved, logged.count()) in {(0, 0), (2, 1)}, (
+        f"{tag}: {resolved} rows, {logged.count()} lines"
+    )
+    if not resolved:
+        _resolve_unit(run)  # the operator presses again
+    assert rows.filter(status="resolved").count() == 2 and logged.count() == 1, tag
+    assert not Call.objects.filter(verb="despawn").exists(), f"{tag}: a module was called"
+    sweep()
+    run.refresh_from_db()
+    assert run.cleanup_status == "complete", f"{tag}: {run.cleanup_status}"
+
+
+def test_resolving_by_hand_is_whole_or_nothing_whatever_round_trip_fails(
+    proxied_db, short_ttls, figure
+):  # rule 2, C7: the operator's decision and its record land together
+    tally = Tally()
+    _under_proxy_faults(proxied_db, tally, _resolve_input, _resolve_unit, _resolve_check)
+    tally.report(figure, "resolving rows by hand")
+
+
+def test_resolving_by_hand_is_whole_or_nothing_whatever_write_the_server_fails(
+    short_ttls, figure
+):  # rule 2, C7
+    faults.require_server()
+    tally = Tally()
+    _under_server_faults(tally, _resolve_input, _resolve_unit, _resolve_check)
+    tally.report(figure, "resolving rows by hand")
 
 
 # ── a sweep pass over three dependent phases (#26) ──
