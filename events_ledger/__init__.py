@@ -58,4 +58,9 @@ def __getattr__(name: str) -> Any:
     return getattr(import_module(f"events_ledger.{module}"), name)
 
 
+def __dir__() -> list[str]:
+    # The lazy names too, so dir() and a shell's completion show the public API.
+    return sorted({*globals(), *_EXPORTS})
+
+
 __all__ = sorted(_EXPORTS)

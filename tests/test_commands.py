@@ -368,6 +368,9 @@ def test_cleanup_runs_scope_sweeps_one_scope_only(world):  # S1, C5
     assert Res.filter(run=theirs, status="confirmed").count() == 2
     code, _, err = command("cleanup_runs", "--scope", "team-a", "--run", str(ours.pk))
     assert code == 2 and "--scope" in err
+    # An actor is logged only with the human retry: anywhere else it would be dropped.
+    code, _, err = command("cleanup_runs", "--run", str(ours.pk), "--actor", "ops:ana")
+    assert code == 2 and "--reset-attempts" in err
 
 
 def test_cleanup_runs_exits_1_on_every_pass_while_a_run_in_scope_is_incomplete():

@@ -88,6 +88,12 @@ class Command(LedgerCommand):
             raise self.bad_input(
                 _("--reset-attempts is the human retry of one run: give --run ID.")
             )
+        if opts["actor"] is not None and not opts["reset_attempts"]:
+            # Only the human retry is logged with who asked: an actor anywhere else would
+            # be dropped without a word, and the operator would believe it recorded.
+            raise self.bad_input(
+                _("--actor names who asks for the human retry: add --reset-attempts.")
+            )
         if opts["scope"] is not None and opts["run"] is not None:
             raise self.bad_input(_("--scope chooses the runs a sweep works; --run names one."))
         self.scope = opts["scope"]
