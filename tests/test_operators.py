@@ -93,7 +93,7 @@ def test_incomplete_and_complete_are_sent_with_the_run_and_its_rows(
     ledger_action(isolated_registry, "t.dead", revert=lambda **_: REFUSED)
     ledger_action(isolated_registry, "t.make")
     dead, fine = finished_run("t.dead"), finished_run("t.make")
-    with django_capture_on_commit_callbacks(execute=True):
+    with django_capture_on_commit_callbacks(using=connection.alias, execute=True):
         sweep()
     [incomplete] = heard.named("cleanup_incomplete")
     assert incomplete["sender"] is EventRun
@@ -124,7 +124,7 @@ def test_signals_wait_for_the_commit_and_a_rollback_sends_none(
     # claims would be savepoints there), so a rollback has nothing to take back.
     heard.calls.clear()
     other = finished_run("t.make")
-    with pytest.raises(InCallersTransaction), transaction.atomic():
+    with pytest.raises(InCallersTransaction), transaction.atomic(using=connection.alias):
         cleanup_run(other)
     assert heard.calls == []
     assert Res.filter(run=other, status="confirmed").count() == 2  # nothing was claimed
@@ -147,7 +147,7 @@ def test_a_drifted_lease_is_signalled(
     row = ResourceFactory(
         run=run, kind="override", ref="t.rate#north", payload={"baseline": 1, "applied": 5}
     )
-    with django_capture_on_commit_callbacks(execute=True):
+    with django_capture_on_commit_callbacks(using=connection.alias, execute=True):
         summary = cleanup_run(run)
     assert summary.drifted == 1
     [drifted] = heard.named("lease_drifted")
@@ -162,7 +162,7 @@ def test_orphaned_rows_are_signalled_per_run_with_their_module(
     ledger_action(isolated_registry, "t.make", reconcile=lambda **_: {"ok": True, "in_force": []})
     a = finished_run("t.make", status="running")
     b = finished_run("t.make", status="running")
-    with django_capture_on_commit_callbacks(execute=True):
+    with django_capture_on_commit_callbacks(using=connection.alias, execute=True):
         summary = reconcile_module("t", force=True)
     assert summary.orphaned == 4
     sent = {kw["run"].pk: kw for kw in heard.named("resources_orphaned")}
@@ -209,7 +209,7 @@ def test_a_raising_receiver_is_logged_and_breaks_nothing(
         ledger_action(isolated_registry, "t.make")
         run = finished_run("t.make")
         with caplog.at_level(logging.ERROR, "events_ledger"):
-            with django_capture_on_commit_callbacks(execute=True):
+            with django_capture_on_commit_callbacks(using=connection.alias, execute=True):
                 report = sweep()
     finally:
         signals.cleanup_complete.disconnect(broken)
@@ -406,7 +406,7 @@ def test_the_process_counts_what_it_did(
             "events_ledger_module_call_seconds_count", call="t.make.revert", outcome="answered"
         ),
     }
-    with django_capture_on_commit_callbacks(execute=True):
+    with django_capture_on_commit_callbacks(using=connection.alias, execute=True):
         sweep()
     assert counter("events_ledger_resources_reverted_total") - before["reverted"] == 3
     assert counter("events_ledger_revert_failures_total") - before["failed"] == 2
@@ -640,7 +640,6 @@ def test_the_health_check_through_django_health_checks_view(settings):  # #15: h
 def test_a_run_that_needs_a_human_never_takes_a_node_out_of_rotation():  # #15, #25
     # On a419c07 /health/ answered 500 for any incomplete run: every web node out of a
     # load balancer's rotation. Its anonymous probe cost one query of the ledger.
-    from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
     RunFactory(status="completed", cleanup_status="incomplete")
