@@ -365,11 +365,14 @@ def test_a_hung_call_leaves_no_database_connection_open(
     assert call.timed_out
     import time
 
-    for _ in range(50):  # the server ends a killed session asynchronously
-        if sessions() == before:
+    # Not one session more than before: the hung call's was ended (the server ends a
+    # killed session asynchronously). Fewer is no leak: Django's pool, where it is on,
+    # closes idle sessions of its own meanwhile.
+    for _ in range(50):
+        if sessions() <= before:
             break
         time.sleep(0.1)
-    assert sessions() == before
+    assert sessions() <= before
 
 
 @pytestmark_world
